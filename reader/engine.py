@@ -1,0 +1,287 @@
+"""The backing I/O engine: large reads of the source shards in worker threads, ahead of demand, in
+the order the loaders consume the views, within a byte budget.
+
+The FUSE layer asks for a chunk's bytes with `await engine.get(chunk)`; everything about disks,
+threads, prefetch order and memory lives here. Chunks are anonymous memory maps: page-aligned for
+O_DIRECT, and returned to the kernel as soon as the last reference goes (no allocator arena keeps
+them).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from plan.checkpoint import SourceFile
+from plan.layout import FILL_BYTE, Extent
+
+log = logging.getLogger("rankfs.reader")
+
+PAGE = 4096
+DEFAULT_CHUNK_BYTES = 8 << 20
+ON_DEMAND_CHUNK_BYTES = 1 << 20
+
+
+class BackingError(OSError):
+    """A source file that cannot be read as planned; the message names it."""
+
+
+class Chunk:
+    """A piece of a data extent, read from the source in one go."""
+
+    __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
+                 "tensor", "order", "on_demand", "buffer", "loading", "served", "prefetched", "stream_pos")
+
+    def __init__(self, extent: Extent, start: int, length: int):
+        self.start = start  # virtual offset
+        self.length = length
+        self.source = extent.source
+        self.source_offset = extent.source_offset + (start - extent.offset)
+        self.row_bytes = extent.row_bytes  # chunks of masked extents hold whole rows
+        self.keep_start, self.keep_stop = extent.keep_start, extent.keep_stop
+        self.tensor = extent.tensor
+        self.order = extent.order
+        self.on_demand = extent.on_demand
+        self.buffer: memoryview | None = None
+        self.loading: trio.Event | None = None
+        self.served = 0
+        self.prefetched = False
+        self.stream_pos = -1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def split_extent(extent: Extent, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Chunk]:
+    """Chunks of at most chunk_bytes (whole rows for masked extents). On-demand extents (row
+    stores) are read in small pieces: their readers touch a few rows, not the whole table."""
+    step = ON_DEMAND_CHUNK_BYTES if extent.on_demand else chunk_bytes
+    if extent.row_bytes:
+        step = max(extent.row_bytes, chunk_bytes // extent.row_bytes * extent.row_bytes)
+    return [Chunk(extent, start, min(step, extent.end - start))
+            for start in range(extent.offset, extent.end, step)]
+
+
+@dataclass
+class Stream:
+    """One view's chunks in the loaders' consumption order; prefetch walks it from `cursor`."""
+
+    name: str
+    chunks: list[Chunk]
+    cursor: int = 0
+    active: bool = False
+    planned_bytes: int = 0
+    served_bytes: int = 0
+
+
+@dataclass
+class Stats:
+    read_bytes: collections.Counter = field(default_factory=collections.Counter)  # per source index
+    held_bytes: int = 0
+    peak_held_bytes: int = 0
+    demand_loads: int = 0
+    prefetch_loads: int = 0
+    errors: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class ReadEngine:
+    def __init__(self, sources: tuple[SourceFile, ...], budget_bytes: int, workers: int = 8,
+                 direct_io: bool = False):
+        self.sources = sources
+        self.budget = budget_bytes
+        self.direct_io = direct_io
+        self.stats = Stats()
+        self.streams: dict[str, Stream] = {}
+        self._limiter = trio.CapacityLimiter(workers)
+        self._fds: dict[int, int] = {}
+        self._loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
+        self._budget_freed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def add_stream(self, name: str, files_chunks: list[list[Chunk]]) -> Stream:
+        """Register a view: its files' chunks, files in the view's order."""
+        ordered = sorted((c for chunks in files_chunks for c in chunks), key=lambda c: c.order)
+        prefetchable = [c for c in ordered if not c.on_demand]
+        for pos, chunk in enumerate(prefetchable):
+            chunk.stream_pos = pos
+        stream = Stream(name, prefetchable, planned_bytes=sum(c.length for c in prefetchable))
+        self.streams[name] = stream
+        return stream
+
+    def activate(self, stream: Stream):
+        """Start prefetching a view (called when the loader first opens one of its files)."""
+        if not stream.active:
+            stream.active = True
+            self._nursery.start_soon(self._prefetch, stream)
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED):
+        """Own the prefetch tasks until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    # -- serving --------------------------------------------------------------------------------
+
+    async def get(self, chunk: Chunk, stream: Stream | None) -> memoryview:
+        """The chunk's bytes: from memory, from a read in flight, or read now."""
+        if chunk.buffer is None:
+            if chunk.loading is None:
+                self.stats.demand_loads += 1
+                if stream is not None:
+                    self._follow_demand(stream, chunk)
+                self._make_room(chunk.length)
+                await self._load(chunk)
+            else:
+                await chunk.loading.wait()
+        if chunk.buffer is None:
+            raise BackingError(f"{self.sources[chunk.source].path}: read failed (tensor {chunk.tensor})")
+        return chunk.buffer
+
+    def served(self, chunk: Chunk, nbytes: int, stream: Stream | None):
+        """Account bytes handed to the kernel; a chunk served whole is released."""
+        chunk.served += nbytes
+        if stream is not None and not chunk.on_demand:
+            stream.served_bytes += nbytes
+        if chunk.served >= chunk.length and chunk.buffer is not None:
+            self._release(chunk)
+
+    def drop(self):
+        """Release every chunk in memory (after the load, or on request)."""
+        for chunk in list(self._loaded.values()):
+            self._release(chunk)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _follow_demand(self, stream: Stream, chunk: Chunk):
+        # A loader far ahead of the prefetcher: skip to where it reads rather than fill the budget
+        # with bytes it has passed.
+        window = max(1, self.budget // DEFAULT_CHUNK_BYTES)
+        if chunk.stream_pos - stream.cursor > window:
+            stream.cursor = chunk.stream_pos + 1
+
+    async def _prefetch(self, stream: Stream):
+        while stream.cursor < len(stream.chunks):
+            chunk = stream.chunks[stream.cursor]
+            stream.cursor += 1
+            if chunk.buffer is not None or chunk.loading is not None or chunk.prefetched:
+                continue
+            while self.stats.held_bytes and self.stats.held_bytes + chunk.length > self.budget:
+                await self._budget_freed.wait()
+            if chunk.buffer is not None or chunk.loading is not None:
+                continue
+            chunk.prefetched = True
+            self.stats.prefetch_loads += 1
+            self._reserve(chunk.length)
+            self._nursery.start_soon(self._load, chunk)
+
+    def _reserve(self, nbytes: int):
+        self.stats.held_bytes += nbytes
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.stats.held_bytes)
+
+    def _make_room(self, nbytes: int):
+        """Demand reads may not wait for the budget: evict the oldest unconsumed chunks instead."""
+        self._reserve(nbytes)
+        while self.stats.held_bytes > self.budget and self._loaded:
+            self._release(next(iter(self._loaded.values())))
+
+    def _release(self, chunk: Chunk):
+        if self._loaded.pop(id(chunk), None) is not None:
+            chunk.buffer = None
+            self.stats.held_bytes -= chunk.length
+            self._budget_freed.set()
+            self._budget_freed = trio.Event()
+
+    async def _load(self, chunk: Chunk):
+        chunk.loading = trio.Event()
+        try:
+            chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, limiter=self._limiter)
+            self.stats.read_bytes[chunk.source] += chunk.length
+            self._loaded[id(chunk)] = chunk
+        except OSError as exc:
+            self.stats.errors += 1
+            self.stats.held_bytes -= chunk.length
+            log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor)
+        finally:
+            event, chunk.loading = chunk.loading, None
+            event.set()
+
+    def _fd(self, index: int) -> int:
+        if index not in self._fds:
+            flags = os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0)
+            self._fds[index] = os.open(self.sources[index].path, flags)
+        return self._fds[index]
+
+    def _check_unchanged(self, source: SourceFile):
+        try:
+            st = os.stat(source.path)
+        except OSError as exc:
+            raise BackingError(f"{source.path}: {exc.strerror}") from None
+        now = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if now != (source.size, source.mtime_ns, source.inode):
+            raise BackingError(f"{source.path}: changed since it was mounted "
+                               f"(size {source.size} -> {st.st_size}, mtime or inode differ); "
+                               "remount to serve the new file")
+
+    def _read_chunk(self, chunk: Chunk) -> memoryview:
+        """Runs in a worker thread: one large read, fill outside the slice, drop the source's cache."""
+        source = self.sources[chunk.source]
+        self._check_unchanged(source)
+        fd = self._fd(chunk.source)
+        begin, end = chunk.source_offset, chunk.source_offset + chunk.length
+        if self.direct_io:
+            begin, skip = begin - begin % PAGE, begin % PAGE
+            end = -(-end // PAGE) * PAGE
+        else:
+            skip = 0
+        buffer = mmap.mmap(-1, end - begin)
+        view = memoryview(buffer)
+        done = 0
+        while done < end - begin:
+            n = os.preadv(fd, [view[done:]], begin + done)
+            if n == 0:
+                break
+            done += n
+        if done < skip + chunk.length:
+            raise BackingError(f"{source.path}: short read at offset {chunk.source_offset} "
+                               f"({done - skip} of {chunk.length} bytes); the file was truncated")
+        if not self.direct_io:
+            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
+        data = view[skip:skip + chunk.length]
+        if chunk.row_bytes:
+            rows = np.frombuffer(data, np.uint8).reshape(-1, chunk.row_bytes)
+            rows[:, :chunk.keep_start] = FILL_BYTE
+            rows[:, chunk.keep_stop:] = FILL_BYTE
+        return data
+
+
+class ChunkRun:
+    """The chunks of one data extent, found by offset."""
+
+    def __init__(self, extent: Extent, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.chunks = split_extent(extent, chunk_bytes)
+        self._starts = [c.start for c in self.chunks]
+
+    def overlapping(self, offset: int, end: int):
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self.chunks) and self.chunks[i].start < end:
+            if self.chunks[i].end > offset:
+                yield self.chunks[i]
+            i += 1

@@ -1,0 +1,130 @@
+"""The mount's namespace: directories and files built from the rank layouts.
+
+    MOUNTPOINT/target/           one rank: its views at the top
+    MOUNTPOINT/draft/
+    MOUNTPOINT/rank-R/target/    several local ranks (--local-ranks): one directory per rank
+    MOUNTPOINT/.rankfs/status.json   live figures (read by `rankfs status`)
+
+Every regular file is a list of extents: in-memory bytes (headers, indexes), fill (outside slices)
+or source bytes in chunks the read engine loads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from plan.checkpoint import INDEX_NAME
+from plan.layout import Extent, RankLayout
+from reader.engine import ChunkRun, ReadEngine, Stream
+
+ROOT_INODE = 1
+CONTROL_DIR = ".rankfs"
+STATUS_FILE = "status.json"
+
+
+@dataclass
+class ServedFile:
+    """A regular file's bytes as extents; data extents carry their chunks."""
+
+    size: int
+    extents: list[Extent]
+    memory: bytes = b""  # the bytes of "header" extents (at the file's start)
+    runs: dict[int, ChunkRun] = field(default_factory=dict)  # data extent offset -> its chunks
+    stream: Stream | None = None
+    view: str = ""
+
+    def __post_init__(self):
+        self._starts = [e.offset for e in self.extents]
+
+    def extents_at(self, offset: int, end: int):
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self.extents) and self.extents[i].offset < end:
+            if self.extents[i].end > offset:
+                yield self.extents[i]
+            i += 1
+
+
+@dataclass
+class Node:
+    inode: int
+    name: str
+    parent: int
+    mtime_ns: int
+    children: dict[str, int] | None = None  # directories
+    file: ServedFile | None = None  # regular files with fixed content
+    render: Callable[[], bytes] | None = None  # generated files (status)
+
+    @property
+    def is_dir(self) -> bool:
+        return self.children is not None
+
+    @property
+    def mode(self) -> int:
+        return (stat.S_IFDIR | 0o555) if self.is_dir else (stat.S_IFREG | 0o444)
+
+    @property
+    def size(self) -> int:
+        return self.file.size if self.file else 0
+
+
+def memory_file(data: bytes, view: str = "") -> ServedFile:
+    return ServedFile(len(data), [Extent(0, len(data), "header")], data, view=view)
+
+
+class Tree:
+    def __init__(self, layouts: list[RankLayout], engine: ReadEngine, render_status: Callable[[], bytes]):
+        self.nodes: dict[int, Node] = {}
+        now = time.time_ns()
+        root = self._add("", ROOT_INODE, now, children={})
+        control = self._add(CONTROL_DIR, root.inode, now, children={})
+        self._add(STATUS_FILE, control.inode, now, render=render_status)
+        for layout in layouts:
+            parent = root
+            if len(layouts) > 1:
+                parent = self._add(f"rank-{layout.spec.tp_rank}", root.inode, now, children={})
+            for view in layout.views:
+                self._add_view(parent, layout, view, engine, now)
+
+    def _add(self, name: str, parent: int, mtime_ns: int, **kind) -> Node:
+        inode = len(self.nodes) + ROOT_INODE
+        node = Node(inode, name, parent, mtime_ns, **kind)
+        self.nodes[inode] = node
+        if inode != ROOT_INODE:
+            self.nodes[parent].children[name] = inode
+        return node
+
+    def _add_view(self, parent: Node, layout: RankLayout, view, engine: ReadEngine, now: int):
+        label = f"{parent.name + '/' if parent.inode != ROOT_INODE else ''}{view.name}"
+        directory = self._add(view.name, parent.inode, now, children={})
+        files_chunks, served_files = [], []
+        for name, source_index in view.plain_files:
+            source = layout.sources[source_index]
+            extent = Extent(0, source.size, "data", source_index, 0, tensor=name, order=-1, on_demand=True)
+            served = ServedFile(source.size, [extent], view=label)
+            served.runs[0] = ChunkRun(extent)
+            self._add(name, directory.inode, source.mtime_ns, file=served)
+        self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, label))
+        for vfile in view.files:
+            extents = vfile.extents()
+            served = ServedFile(vfile.size, extents, vfile.header, view=label)
+            for extent in extents:
+                if extent.kind == "data":
+                    served.runs[extent.offset] = ChunkRun(extent)
+            files_chunks.append([c for run in served.runs.values() for c in run.chunks])
+            served_files.append(served)
+            self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns, file=served)
+        stream = engine.add_stream(label, files_chunks)
+        for served in served_files:
+            served.stream = stream
+
+    def lookup(self, parent: int, name: str) -> Node | None:
+        node = self.nodes.get(parent)
+        inode = node.children.get(name) if node and node.is_dir else None
+        return self.nodes.get(inode) if inode else None
+
+    def files(self):
+        return [n for n in self.nodes.values() if n.file is not None]
