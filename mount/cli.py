@@ -155,7 +155,7 @@ def _default_log(mountpoint: str) -> Path:
 
 def cmd_mount(args) -> int:
     from mount import kernel
-    from mount.daemon import MountConfig, default_budget_bytes, serve
+    from mount.config import MountConfig, default_budget_bytes
     mountpoint = os.path.abspath(args.mountpoint)
     state = kernel.health(mountpoint)
     if state == "dead":
@@ -177,6 +177,7 @@ def cmd_mount(args) -> int:
         allow_other=args.allow_other, allow_outside_symlinks=args.allow_outside_symlinks,
         log_file=None if log_file == "-" else log_file)
     if args.foreground:
+        from mount.daemon import serve
         _setup_logging(config.log_file)
         return serve(config, None)
     Path(config.log_file).parent.mkdir(parents=True, exist_ok=True)
@@ -217,7 +218,8 @@ def _setup_logging(log_file: str | None):
 
 def cmd_serve(payload: str, ready_fd: str) -> int:
     """The daemon process (internal)."""
-    from mount.daemon import MountConfig, serve
+    from mount.config import MountConfig
+    from mount.daemon import serve
     from plan.layout import RankSpec
     raw = json.loads(payload)
     raw["specs"] = [RankSpec(**s) for s in raw["specs"]]

@@ -11,13 +11,13 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 
 import psutil
 import pyfuse3
 import trio
 
 from mount import kernel
+from mount.config import MountConfig
 from plan.checkpoint import Checkpoint
 from plan.layout import RankLayout, RankSpec, plan_ranks
 from reader.engine import ReadEngine
@@ -25,32 +25,6 @@ from vfs.fs import RankFS
 from vfs.tree import Tree
 
 log = logging.getLogger("rankfs.daemon")
-
-GIB = 1 << 30
-
-
-@dataclass
-class MountConfig:
-    checkpoint: str
-    mountpoint: str
-    specs: list[RankSpec]
-    profile: str | None = None
-    budget_bytes: int = 2 * GIB
-    workers: int = 8
-    direct_io: bool = False
-    readahead_kb: int = 16384
-    max_background: int = 64
-    congestion_threshold: int = 48
-    allow_other: bool = False
-    allow_outside_symlinks: bool = False
-    log_file: str | None = None
-    started: float = field(default_factory=time.time)
-
-
-def default_budget_bytes() -> int:
-    """An eighth of the memory available now, between 256 MiB and 8 GiB."""
-    return int(min(8 * GIB, max(GIB // 4, psutil.virtual_memory().available // 8)))
-
 
 def plan(config: MountConfig) -> list[RankLayout]:
     checkpoint = Checkpoint.open(config.checkpoint, config.allow_outside_symlinks)

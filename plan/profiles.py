@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 
-@dataclass(frozen=True)
-class ExpertName:
+class ExpertName(NamedTuple):
     group: str  # the MoE block the expert belongs to, e.g. "layers.3.ffn"
     expert: int
     projection: str  # e.g. "w1", "down_proj"

@@ -148,6 +148,7 @@ class ReadEngine:
                 if stream is not None:
                     self._follow_demand(stream, chunk)
                 self._make_room(chunk.length)
+                chunk.loading = trio.Event()
                 await self._load(chunk)
             else:
                 await chunk.loading.wait()
@@ -190,6 +191,7 @@ class ReadEngine:
             chunk.prefetched = True
             self.stats.prefetch_loads += 1
             self._reserve(chunk.length)
+            chunk.loading = trio.Event()  # before the task starts: a demand read must wait for it
             self._nursery.start_soon(self._load, chunk)
 
     def _reserve(self, nbytes: int):
@@ -210,15 +212,16 @@ class ReadEngine:
             self._budget_freed = trio.Event()
 
     async def _load(self, chunk: Chunk):
-        chunk.loading = trio.Event()
+        """Read a chunk whose `loading` event is set, and wake whoever waits on it."""
         try:
             chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, limiter=self._limiter)
             self.stats.read_bytes[chunk.source] += chunk.length
             self._loaded[id(chunk)] = chunk
-        except OSError as exc:
+        except Exception as exc:  # any failure: the readers get EIO, the daemon keeps serving
             self.stats.errors += 1
             self.stats.held_bytes -= chunk.length
-            log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor)
+            log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor,
+                      exc_info=not isinstance(exc, OSError))
         finally:
             event, chunk.loading = chunk.loading, None
             event.set()

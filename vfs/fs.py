@@ -112,7 +112,7 @@ class RankFS(pyfuse3.Operations):
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
         # Generated files are snapshot at open and never cached; the rest stay cached across opens.
-        served = memory_file(node.render()) if node.render else node.file
+        served = memory_file(node.render()) if node.render else node.served()
         if served.stream is not None:
             self.engine.activate(served.stream)
         fh, self._next_fh = self._next_fh, self._next_fh + 1

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from plan.checkpoint import INDEX_NAME
-from plan.layout import Extent, RankLayout
+from plan.layout import Extent, RankLayout, View
 from reader.engine import ChunkRun, ReadEngine, Stream
 
 ROOT_INODE = 1
@@ -48,6 +48,28 @@ class ServedFile:
             i += 1
 
 
+class LazyView:
+    """A view's virtual shards, served. Built on the first open of one of them: a 48-shard view
+    takes a second to lay out, and the mount must be ready before that."""
+
+    def __init__(self, label: str, view: View, engine: ReadEngine):
+        self.label, self.view, self.engine = label, view, engine
+        self._served: list[ServedFile] | None = None
+
+    def served(self, position: int) -> ServedFile:
+        if self._served is None:
+            self._served = []
+            for vfile in self.view.files:
+                extents = vfile.extents()
+                runs = {e.offset: ChunkRun(e) for e in extents if e.kind == "data"}
+                self._served.append(ServedFile(vfile.size, extents, vfile.header, runs, view=self.label))
+            stream = self.engine.add_stream(self.label, [
+                [c for run in served.runs.values() for c in run.chunks] for served in self._served])
+            for served in self._served:
+                served.stream = stream
+        return self._served[position]
+
+
 @dataclass
 class Node:
     inode: int
@@ -56,6 +78,7 @@ class Node:
     mtime_ns: int
     children: dict[str, int] | None = None  # directories
     file: ServedFile | None = None  # regular files with fixed content
+    shard: tuple[LazyView, int] | None = None  # virtual shards: their view and position in it
     render: Callable[[], bytes] | None = None  # generated files (status)
 
     @property
@@ -68,7 +91,16 @@ class Node:
 
     @property
     def size(self) -> int:
+        if self.shard is not None:
+            view, position = self.shard
+            return view.view.files[position].size
         return self.file.size if self.file else 0
+
+    def served(self) -> ServedFile:
+        if self.shard is not None:
+            view, position = self.shard
+            return view.served(position)
+        return self.file
 
 
 def memory_file(data: bytes, view: str = "") -> ServedFile:
@@ -100,7 +132,6 @@ class Tree:
     def _add_view(self, parent: Node, layout: RankLayout, view, engine: ReadEngine, now: int):
         label = f"{parent.name + '/' if parent.inode != ROOT_INODE else ''}{view.name}"
         directory = self._add(view.name, parent.inode, now, children={})
-        files_chunks, served_files = [], []
         for name, source_index in view.plain_files:
             source = layout.sources[source_index]
             extent = Extent(0, source.size, "data", source_index, 0, tensor=name, order=-1, on_demand=True)
@@ -108,18 +139,10 @@ class Tree:
             served.runs[0] = ChunkRun(extent)
             self._add(name, directory.inode, source.mtime_ns, file=served)
         self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, label))
-        for vfile in view.files:
-            extents = vfile.extents()
-            served = ServedFile(vfile.size, extents, vfile.header, view=label)
-            for extent in extents:
-                if extent.kind == "data":
-                    served.runs[extent.offset] = ChunkRun(extent)
-            files_chunks.append([c for run in served.runs.values() for c in run.chunks])
-            served_files.append(served)
-            self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns, file=served)
-        stream = engine.add_stream(label, files_chunks)
-        for served in served_files:
-            served.stream = stream
+        lazy = LazyView(label, view, engine)
+        for position, vfile in enumerate(view.files):
+            self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,
+                      shard=(lazy, position))
 
     def lookup(self, parent: int, name: str) -> Node | None:
         node = self.nodes.get(parent)
@@ -127,4 +150,4 @@ class Tree:
         return self.nodes.get(inode) if inode else None
 
     def files(self):
-        return [n for n in self.nodes.values() if n.file is not None]
+        return [n for n in self.nodes.values() if not n.is_dir]

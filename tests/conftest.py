@@ -1,0 +1,77 @@
+"""Shared fixtures: generated checkpoints, and real mounts made with the `rankfs` command line."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixture import deepseek_v4
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_sessionstart(session):
+    # The tests mount real FUSE filesystems. A machine that cannot is a failed run, not a skip.
+    problems = []
+    if not os.path.exists("/dev/fuse"):
+        problems.append("/dev/fuse is missing")
+    if os.geteuid() != 0:
+        problems.append("the tests must run as root (they mount and set kernel tunables)")
+    if problems:
+        pytest.exit("rankfs tests cannot run: " + "; ".join(problems), returncode=3)
+
+
+def rankfs(*args, check=True, timeout=120) -> subprocess.CompletedProcess:
+    """Run the command line exactly as a user would."""
+    result = subprocess.run([sys.executable, "-m", "mount.cli", *map(str, args)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"rankfs {' '.join(map(str, args))} exited {result.returncode}:\n"
+                             f"{result.stdout}{result.stderr}")
+    return result
+
+
+@contextlib.contextmanager
+def mounted(checkpoint, mountpoint, *flags):
+    mountpoint = Path(mountpoint)
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    rankfs("mount", checkpoint, mountpoint, "--log", mountpoint.parent / f"{mountpoint.name}.log", *flags)
+    try:
+        yield mountpoint
+    finally:
+        if rankfs("umount", mountpoint, check=False).returncode != 0:
+            rankfs("umount", "--lazy", mountpoint, check=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    return deepseek_v4.write(tmp_path_factory.mktemp("ckpt") / "dsv4", deepseek_v4.FixtureSpec.tiny())
+
+
+@pytest.fixture
+def mount_dir(tmp_path) -> Path:
+    return tmp_path / "mnt"
+
+
+EXPERT = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.(w[123])\.")
+
+
+def expected_view(names, n_experts: int, draft_experts: int, ep_size: int, ep_rank: int, view: str):
+    """The tensors a rank's view must hold, computed independently of rankfs' planner."""
+    out = set()
+    for name in names:
+        if name.startswith("mtp.") != (view == "draft"):
+            continue
+        match = EXPERT.match(name)
+        if match:
+            per_rank = (draft_experts if view == "draft" else n_experts) // ep_size
+            if not ep_rank * per_rank <= int(match[1]) < (ep_rank + 1) * per_rank:
+                continue
+        out.add(name)
+    return out
