@@ -23,7 +23,8 @@ from plan.safetensors import DTYPE_SIZES, TensorEntry, encode_header, writer_ord
 TP_SLICE_MODES = ("auto", "on", "off")
 PLACEMENTS = ("sglang", "vllm")
 FILL_BYTE = 0xFF  # outside a slice: NaN in every float dtype, so a misread is loud downstream too
-SLICES_METADATA_KEY = "rankfs.slices"
+SLICES_METADATA_KEY = "rankfs.slices"  # {name: [dim, start, stop]} of the sliced tensors
+ON_DEMAND_METADATA_KEY = "rankfs.on_demand"  # [name, ...] of the row-store tensors
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,9 @@ class VirtualFile:
         slices = {k.entry.name: list(k.slice) for k in self.kept if k.slice}
         if slices:  # for the engine hook's guard, which refuses narrows outside these
             metadata[SLICES_METADATA_KEY] = json.dumps(slices, separators=(",", ":"))
+        on_demand = [k.entry.name for k in self.kept if k.on_demand]
+        if on_demand:  # the hook leaves these to the stock mmap path
+            metadata[ON_DEMAND_METADATA_KEY] = json.dumps(on_demand, separators=(",", ":"))
         return encode_header(entries, metadata)
 
     @cached_property

@@ -38,7 +38,8 @@ class Chunk:
     """A piece of a data extent, read from the source in one go."""
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
-                 "tensor", "order", "on_demand", "buffer", "loading", "served", "prefetched", "stream_pos")
+                 "tensor", "order", "on_demand", "buffer", "loading", "served", "prefetched", "stream_pos",
+                 "error")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # virtual offset
@@ -55,6 +56,7 @@ class Chunk:
         self.served = 0
         self.prefetched = False
         self.stream_pos = -1
+        self.error: str | None = None  # the last failed read's reason: served as EIO, never as data
 
     @property
     def end(self) -> int:
@@ -142,7 +144,8 @@ class ReadEngine:
 
     async def get(self, chunk: Chunk, stream: Stream | None) -> memoryview:
         """The chunk's bytes: from memory, from a read in flight, or read now."""
-        if chunk.buffer is None:
+        buffer = chunk.buffer
+        while buffer is None:
             if chunk.loading is None:
                 self.stats.demand_loads += 1
                 if stream is not None:
@@ -152,9 +155,11 @@ class ReadEngine:
                 await self._load(chunk)
             else:
                 await chunk.loading.wait()
-        if chunk.buffer is None:
-            raise BackingError(f"{self.sources[chunk.source].path}: read failed (tensor {chunk.tensor})")
-        return chunk.buffer
+            if chunk.error is not None:
+                raise BackingError(f"{chunk.error} (tensor {chunk.tensor})")
+            # Another reader may have consumed and released it meanwhile: then read it again.
+            buffer = chunk.buffer
+        return buffer
 
     def served(self, chunk: Chunk, nbytes: int, stream: Stream | None):
         """Account bytes handed to the kernel; a chunk served whole is released."""
@@ -215,11 +220,13 @@ class ReadEngine:
         """Read a chunk whose `loading` event is set, and wake whoever waits on it."""
         try:
             chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, limiter=self._limiter)
+            chunk.error = None
             self.stats.read_bytes[chunk.source] += chunk.length
             self._loaded[id(chunk)] = chunk
         except Exception as exc:  # any failure: the readers get EIO, the daemon keeps serving
             self.stats.errors += 1
             self.stats.held_bytes -= chunk.length
+            chunk.error = str(exc)
             log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor,
                       exc_info=not isinstance(exc, OSError))
         finally:

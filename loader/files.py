@@ -1,0 +1,164 @@
+"""What `safe_open` returns, through the hook, for a file on a rankfs view.
+
+The file's tensors (in the loaders' order: sorted names) are packed into slabs and read ahead by the
+hook's threads with large preads of the virtual file; `get_tensor` returns views into the slabs.
+Sliced experts hold only their slice (read as one block, or as whole rows with the rank's columns
+copied out) behind a guarded full-shape stand-in. Row-store tables stay stock mmap tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from loader.guard import SlicedTensor
+from loader.slabs import Slab, pack
+from plan.layout import ON_DEMAND_METADATA_KEY, SLICES_METADATA_KEY
+from plan.safetensors import DTYPE_SIZES, read_header
+
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8),
+}
+BOUNCE_BYTES = 8 << 20
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: str, name: str):
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"{path}: tensor {name!r}: short read at offset {offset + done}")
+        done += n
+
+
+class RankfsFile:
+    def __init__(self, path: str, hook, stock_open):
+        self.path = path
+        self._hook, self._stock_open, self._stock = hook, stock_open, None
+        header = read_header(path)
+        self._data_start = header.data_start
+        self._entries = header.tensors
+        self._metadata = header.metadata
+        meta = header.metadata or {}
+        self._slices = json.loads(meta.get(SLICES_METADATA_KEY, "{}"))
+        self._on_demand = set(json.loads(meta.get(ON_DEMAND_METADATA_KEY, "[]")))
+        self._fd = os.open(path, os.O_RDONLY)
+        eager = [n for n in sorted(self._entries) if n not in self._on_demand]
+        groups = pack([(n, self._resident_bytes(n)) for n in eager], hook.pool.slab_bytes)
+        self._place = {name: (g, offset) for g, group in enumerate(groups) for name, offset in group}
+        self._groups = groups
+        self._remaining = [len(group) for group in groups]
+        self._futures: list[Future | None] = [hook.executor.submit(self._load, g) for g in range(len(groups))]
+
+    # -- the safe_open interface ----------------------------------------------------------------
+
+    def keys(self):
+        return sorted(self._entries)
+
+    def metadata(self):
+        return self._metadata
+
+    def get_slice(self, name):
+        return self._stock_handle().get_slice(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        if name in self._on_demand:
+            return self._stock_handle().get_tensor(name)
+        if name not in self._place:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        group, offset = self._place[name]
+        future = self._futures[group] or self._hook.executor.submit(self._load, group)
+        slab: Slab = future.result()
+        self._remaining[group] -= 1
+        self._futures[group] = future if self._remaining[group] > 0 else None  # let the slab go
+        entry = self._entries[name]
+        resident = slab.tensor[offset:offset + self._resident_bytes(name)]
+        dtype = TORCH_DTYPES[entry.dtype]
+        if name not in self._slices:
+            return resident.view(dtype).reshape(entry.shape)
+        dim, start, stop = self._slices[name]
+        shape = list(entry.shape)
+        shape[dim] = stop - start
+        return SlicedTensor(name, entry.shape, dtype, dim, start, stop, resident.view(dtype).reshape(shape))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        # An unrequested slab would stay alive with its future: drop them all.
+        for future in self._futures:
+            if future is not None:
+                future.cancel()
+        self._futures = [None] * len(self._futures)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _stock_handle(self):
+        if self._stock is None:
+            self._stock = self._stock_open(self.path, framework="pt")
+        return self._stock
+
+    def _resident_bytes(self, name: str) -> int:
+        entry = self._entries[name]
+        nbytes = entry.end - entry.begin
+        if name not in self._slices:
+            return nbytes
+        dim, start, stop = self._slices[name]
+        return nbytes // entry.shape[dim] * (stop - start)
+
+    def _load(self, group: int) -> Slab:
+        """Runs in a hook thread: fill one slab with large reads of the virtual file."""
+        names = [name for name, _ in self._groups[group]]
+        last_name, last_offset = self._groups[group][-1]
+        slab = self._hook.pool.allocate(last_offset + self._resident_bytes(last_name), names, self.path,
+                                        wait=True)
+        view = slab.memoryview()
+        low, high = None, 0
+        for name, offset in self._groups[group]:
+            entry = self._entries[name]
+            begin = self._data_start + entry.begin
+            target = view[offset:offset + self._resident_bytes(name)]
+            if name in self._slices:
+                self._read_slice(name, begin, target)
+            else:
+                _pread_into(self._fd, target, begin, self.path, name)
+            low = begin if low is None else min(low, begin)
+            high = max(high, self._data_start + entry.end)
+        # The virtual file's pages are not needed twice: keep them out of MemAvailable's way.
+        os.posix_fadvise(self._fd, low, high - low, os.POSIX_FADV_DONTNEED)
+        return slab
+
+    def _read_slice(self, name: str, begin: int, target: memoryview):
+        entry = self._entries[name]
+        dim, start, stop = self._slices[name]
+        inner = DTYPE_SIZES[entry.dtype] * math.prod(entry.shape[dim + 1:])
+        row_bytes, keep_start, keep_stop = inner * entry.shape[dim], inner * start, inner * stop
+        if dim == 0:  # one contiguous block
+            _pread_into(self._fd, target, begin + keep_start, self.path, name)
+            return
+        # Every row holds kept bytes: read whole rows through a bounded buffer, copy the columns.
+        rows = (entry.end - entry.begin) // row_bytes
+        per_read = max(1, BOUNCE_BYTES // row_bytes)
+        out = np.frombuffer(target, np.uint8).reshape(rows, keep_stop - keep_start)
+        bounce = bytearray(per_read * row_bytes)
+        for first in range(0, rows, per_read):
+            count = min(per_read, rows - first)
+            chunk = memoryview(bounce)[:count * row_bytes]
+            _pread_into(self._fd, chunk, begin + first * row_bytes, self.path, name)
+            out[first:first + count] = np.frombuffer(chunk, np.uint8).reshape(count, row_bytes)[
+                :, keep_start:keep_stop]

@@ -1,0 +1,164 @@
+"""The engine-side hook: `safe_open` on a rankfs view returns slab-backed tensors, and when the
+engine's weight loading returns, everything the load held is released and accounted for.
+
+Only files on a rankfs mount are touched; every other call goes to the stock `safe_open`.
+Settings (environment): RANKFS_HOOK=on|observe|off, RANKFS_HOOK_SLAB_MB (256),
+RANKFS_HOOK_INFLIGHT_GB (4), RANKFS_HOOK_THREADS (16).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import safetensors
+import torch
+
+from loader import memory
+from loader.files import RankfsFile
+from loader.slabs import SlabPool
+
+log = logging.getLogger("rankfs.hook")
+
+RANKFS_FSTYPE = "fuse.rankfs"
+
+
+class LeftoverSlabs(RuntimeError):
+    pass
+
+
+def _rankfs_devices() -> set[int]:
+    devices = set()
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if right.split()[0] == RANKFS_FSTYPE:
+                major, minor = left.split()[2].split(":")
+                devices.add(os.makedev(int(major), int(minor)))
+    return devices
+
+
+class Hook:
+    def __init__(self, mode: str, slab_bytes: int, budget_bytes: int, threads: int):
+        self.mode = mode
+        self.stock_open = safetensors.safe_open
+        self.pool = SlabPool(slab_bytes, budget_bytes, pin=torch.cuda.is_available())
+        self.threads = threads
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="rankfs-read")
+        self.paths: set[str] = set()
+        self.start: dict | None = None
+        self.releases: list[dict] = []
+        self._devices: set[int] | None = None
+        self._lock = threading.Lock()
+
+    def on_rankfs(self, path) -> bool:
+        try:
+            device = os.stat(path).st_dev
+        except OSError:
+            return False
+        if self._devices is None or device not in self._devices:
+            self._devices = _rankfs_devices()
+        return device in self._devices
+
+    def safe_open(self, filename, framework="pt", device="cpu", **kwargs):
+        path = os.fspath(filename)
+        if framework not in ("pt", "torch") or str(device) != "cpu" or kwargs or not self.on_rankfs(path):
+            return self.stock_open(filename, framework=framework, device=device, **kwargs)
+        with self._lock:
+            if self.start is None:
+                self.start = memory.snapshot()
+                patch_engines(self)
+            self.paths.add(path)
+        if self.mode == "observe":
+            return self.stock_open(filename, framework=framework, device=device)
+        if self.executor is None:  # a load after a release: read threads again
+            self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix="rankfs-read")
+        return RankfsFile(path, self, self.stock_open)
+
+    def release(self, phase: str = "load") -> dict:
+        """Stop the readers, free what the load held, drop the views' page cache, and report."""
+        before = memory.snapshot()
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            self.executor = None
+        gc.collect()
+        leftovers = self.pool.alive()
+        memory.malloc_trim()
+        memory.return_pinned_and_cached()
+        for path in self.paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            except OSError:
+                pass  # unmounted already: nothing cached
+        after = memory.snapshot()
+        start = self.start or before
+        stats = self.pool.stats
+        figures = {
+            "phase": phase,
+            **after,
+            "mem_available_before": before["memavailable"],
+            "pinned": self.pool.pin,
+            "slab_requests": stats.requests, "slabs": stats.slabs,
+            "peak_slab_bytes": stats.peak_live_bytes, "slabs_alive": len(leftovers),
+            "torch_host_allocs": _host_alloc_count(),
+            # MemAvailable lost since the load began, less what CUDA's allocator grew by.
+            "nontorch_since_load_start": (start["memavailable"] - after["memavailable"])
+            - (after["cuda_reserved"] - start["cuda_reserved"]),
+        }
+        line = memory.format_line(figures)
+        log.warning("%s", line)
+        print(line, file=sys.stderr, flush=True)
+        self.releases.append(figures)
+        for file, names in leftovers:
+            message = f"rankfs: a slab of {file} is still alive after the {phase} load, held by " \
+                      f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+            log.error("%s", message)
+            if phase == "target":
+                raise LeftoverSlabs(message)
+        return figures
+
+
+def _host_alloc_count():
+    try:
+        stats = torch.cuda.host_memory_stats()
+        return stats.get("num_host_alloc", None)
+    except Exception:
+        return None
+
+
+def patch_engines(hook: Hook):
+    """Release when the engines' weight loading returns (SGLang: DefaultModelLoader's
+    load_weights_and_postprocess; vLLM: DefaultModelLoader.load_weights)."""
+    sglang = sys.modules.get("sglang.srt.model_loader.loader")
+    if sglang is not None and hasattr(sglang, "DefaultModelLoader"):
+        cls = sglang.DefaultModelLoader
+        original = cls.__dict__.get("load_weights_and_postprocess")
+        if isinstance(original, staticmethod) and not getattr(original.__func__, "_rankfs", False):
+            def load_weights_and_postprocess(model, weights, target_device, _f=original.__func__):
+                result = _f(model, weights, target_device)
+                hook.release(_phase_of(model))
+                return result
+            load_weights_and_postprocess._rankfs = True
+            cls.load_weights_and_postprocess = staticmethod(load_weights_and_postprocess)
+    vllm = sys.modules.get("vllm.model_executor.model_loader.default_loader")
+    if vllm is not None and hasattr(vllm, "DefaultModelLoader"):
+        cls = vllm.DefaultModelLoader
+        original = cls.load_weights
+        if not getattr(original, "_rankfs", False):
+            def load_weights(self, model, model_config, _f=original):
+                result = _f(self, model, model_config)
+                hook.release(_phase_of(model))
+                return result
+            load_weights._rankfs = True
+            cls.load_weights = load_weights
+
+
+def _phase_of(model) -> str:
+    name = type(model).__name__.lower()
+    return "draft" if any(k in name for k in ("nextn", "mtp", "draft", "eagle")) else "target"

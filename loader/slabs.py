@@ -1,0 +1,111 @@
+"""Pinned host slabs: large buffers shared by many tensors, so a load makes a few hundred pinned
+allocations instead of one per tensor, and copies to the GPU are plain DMA from pinned memory
+(pageable sources leave driver staging behind, which shrinks MemAvailable on unified memory).
+
+With CUDA a slab comes from torch's caching host allocator (cudaHostAlloc; full slabs share one
+size bin, so a slab freed by one shard is reused by the next, and `_host_emptyCache` hands them back
+at release). Without CUDA it is an anonymous memory map, unmapped the moment its last view dies.
+Either way a slab lives exactly as long as some tensor views it; its storage's weak reference tells.
+Each tensor starts 4 KiB aligned; a tensor larger than a slab gets a buffer of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("rankfs.hook")
+
+ALIGN = 4096
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def pack(sizes: list[tuple[str, int]], slab_bytes: int) -> list[list[tuple[str, int]]]:
+    """Greedy packing in the given order: [[(name, offset), ...] per slab]."""
+    slabs, current, used = [], [], 0
+    for name, nbytes in sizes:
+        if current and used + nbytes > slab_bytes:
+            slabs.append(current)
+            current, used = [], 0
+        current.append((name, used))
+        used += _align(nbytes)
+    if current:
+        slabs.append(current)
+    return slabs
+
+
+@dataclass
+class SlabStats:
+    requests: int = 0  # tensors placed in slabs
+    slabs: int = 0
+    live_bytes: int = 0
+    peak_live_bytes: int = 0
+
+
+class Slab:
+    """One buffer and the names of the tensors placed in it (for the report of leftovers)."""
+
+    def __init__(self, nbytes: int, names: list[str], pin: bool):
+        self.nbytes = nbytes
+        self.names = names
+        if pin:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            buffer = mmap.mmap(-1, max(nbytes, 1))
+            self.tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes) if nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+
+    def memoryview(self) -> memoryview:
+        return memoryview(self.tensor.numpy()).cast("B")
+
+
+class SlabPool:
+    def __init__(self, slab_bytes: int, budget_bytes: int, pin: bool):
+        self.slab_bytes = slab_bytes
+        self.budget_bytes = budget_bytes
+        self.pin = pin
+        self.stats = SlabStats()
+        self._live: list[tuple[int, int, str, list[str]]] = []  # (storage weak ref, bytes, file, names)
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int, names: list[str], file: str, wait: bool) -> Slab:
+        """A new slab; with wait, first wait (up to a minute) until the budget has room."""
+        deadline = time.monotonic() + 60
+        while wait and self._reap() + nbytes > self.budget_bytes and self.stats.live_bytes \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)
+        slab = Slab(nbytes, names, self.pin)
+        with self._lock:
+            self._live.append((slab.tensor.untyped_storage()._weak_ref(), nbytes, file, names))
+            self.stats.live_bytes += nbytes
+            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
+            self.stats.slabs += 1
+            self.stats.requests += len(names)
+        return slab
+
+    def _reap(self) -> int:
+        """Forget slabs no tensor views any more; returns the bytes still live."""
+        with self._lock:
+            kept = []
+            for entry in self._live:
+                if torch.UntypedStorage._expired(entry[0]):
+                    torch.UntypedStorage._free_weak_ref(entry[0])
+                    self.stats.live_bytes -= entry[1]
+                else:
+                    kept.append(entry)
+            self._live = kept
+            return self.stats.live_bytes
+
+    def alive(self) -> list[tuple[str, list[str]]]:
+        """(file, tensor names) of every slab some tensor still holds."""
+        self._reap()
+        with self._lock:
+            return [(file, names) for _, _, file, names in self._live]
