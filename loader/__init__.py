@@ -58,7 +58,7 @@ def release(phase: str = "load") -> dict:
     return _hook.release(phase)
 
 
-def hook():
+def active_hook():
     return _hook
 
 

@@ -116,6 +116,16 @@ def _parser() -> argparse.ArgumentParser:
                            "--header-only")
     q.add_argument("--header-only", action="store_true", help="headers only; data left as holes")
 
+    q = sub.add_parser("run", help="run an engine with the rankfs hook in its Python processes",
+                       description="Run COMMAND with the hook active in every Python process it "
+                                   "starts (pinned slabs for rankfs views, release and memory "
+                                   "accounting when the weights are loaded). Nothing in the engine "
+                                   "is edited. Example: rankfs run -- python -m sglang.launch_server "
+                                   "--model-path /mnt/rankfs/target ...")
+    q.add_argument("--observe", action="store_true",
+                   help="only log the memory accounting; load the stock way")
+    q.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+
     q = sub.add_parser("demo", help="generate a fixture, mount a rank, load it with safetensors")
     q.add_argument("--workdir", default="/tmp/rankfs-demo")
     return p
@@ -406,13 +416,30 @@ def cmd_fixture(args) -> int:
     return EXIT_OK
 
 
+def cmd_run(args) -> int:
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise UsageError("rankfs run: give the command after --")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(root / "loader" / "boot"), str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["RANKFS_HOOK"] = "observe" if args.observe else env.get("RANKFS_HOOK", "on")
+    try:
+        os.execvpe(argv[0], argv, env)
+    except FileNotFoundError:
+        print(f"rankfs: {argv[0]}: command not found", file=sys.stderr)
+        return 127
+
+
 def cmd_demo(args) -> int:
     from mount.demo import run_demo
     return run_demo(Path(args.workdir))
 
 
 COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "drop": cmd_drop,
-            "plan": cmd_plan, "profiles": cmd_profiles, "fixture": cmd_fixture, "demo": cmd_demo}
+            "plan": cmd_plan, "profiles": cmd_profiles, "fixture": cmd_fixture, "demo": cmd_demo,
+            "run": cmd_run}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,7 @@ class Daemon:
             "views": [{"view": s.name, "planned_bytes": s.planned_bytes, "served_bytes": s.served_bytes,
                        "active": s.active} for s in self.engine.streams.values()],
             "read_bytes": read_total,
+            "on_demand_read_bytes": stats.on_demand_read_bytes,
             "read_rate_bytes_per_s": rate,
             "held_bytes": stats.held_bytes,
             "peak_held_bytes": stats.peak_held_bytes,

@@ -88,6 +88,7 @@ class Stream:
 @dataclass
 class Stats:
     read_bytes: collections.Counter = field(default_factory=collections.Counter)  # per source index
+    on_demand_read_bytes: int = 0  # row stores and plain files, read only when asked
     held_bytes: int = 0
     peak_held_bytes: int = 0
     demand_loads: int = 0
@@ -221,7 +222,10 @@ class ReadEngine:
         try:
             chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, limiter=self._limiter)
             chunk.error = None
-            self.stats.read_bytes[chunk.source] += chunk.length
+            if chunk.on_demand:
+                self.stats.on_demand_read_bytes += chunk.length
+            else:
+                self.stats.read_bytes[chunk.source] += chunk.length
             self._loaded[id(chunk)] = chunk
         except Exception as exc:  # any failure: the readers get EIO, the daemon keeps serving
             self.stats.errors += 1

@@ -1,0 +1,104 @@
+"""A loader that reads a model directory the way SGLang's DeepSeek path does, for tests and the
+benchmark: files opened several at a time and yielded in order (the buffered multi-thread
+iterator), each tensor narrowed by FusedMoE's rule and copied into preallocated memory by a pool of
+copy threads. Routed experts another EP rank owns are skipped, row-store tables only have their
+shape checked. Nothing here knows about rankfs.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from plan.profiles import Profile
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    moe_tp_size: int = 1
+    moe_tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    n_experts: int | None = None  # per group: None means count from the names (draft stages)
+    narrow_offset_shift: int = 0  # a loader that narrows elsewhere (to prove the guard): 1 = next slice
+
+    def owns(self, expert: int, n_experts: int) -> bool:
+        per_rank = n_experts // self.ep_size
+        return self.ep_rank * per_rank <= expert < (self.ep_rank + 1) * per_rank
+
+
+def shard_files(directory) -> list[str]:
+    return sorted(glob.glob(os.path.join(os.fspath(directory), "*.safetensors")))
+
+
+def iterate(files: list[str], open_threads: int = 8):
+    """(name, tensor) in file order, each file's tensors by sorted name; up to open_threads + 1
+    files opened ahead, as SGLang's buffered multi-thread iterator does."""
+    def open_file(path):
+        handle = safe_open(path, framework="pt")
+        return handle, [(name, handle.get_tensor(name)) for name in sorted(handle.keys())]
+
+    with ThreadPoolExecutor(open_threads) as pool:
+        pending = [pool.submit(open_file, f) for f in files[:open_threads + 1]]
+        next_file = len(pending)
+        while pending:
+            handle, tensors = pending.pop(0).result()
+            if next_file < len(files):
+                pending.append(pool.submit(open_file, files[next_file]))
+                next_file += 1
+            yield from tensors
+            del tensors
+
+
+def narrowed(name: str, tensor: torch.Tensor, profile: Profile, layout: MoELayout, expert_counts: dict):
+    """What FusedMoE copies from this checkpoint tensor, or None when it skips it."""
+    if profile.is_on_demand(name):
+        return None
+    expert = profile.expert(name)
+    if expert is None:
+        return tensor
+    n = layout.n_experts if layout.n_experts and not name.startswith("mtp.") else expert_counts[expert.group]
+    if not layout.owns(expert.expert, n):
+        return None
+    dim = profile.narrow_dims.get(expert.projection)
+    if dim is None or dim >= tensor.dim() or layout.moe_tp_size == 1:
+        return tensor
+    size = tensor.shape[dim] // layout.moe_tp_size
+    rank = (layout.moe_tp_rank + layout.narrow_offset_shift) % layout.moe_tp_size
+    return tensor.narrow(dim, size * rank, size)
+
+
+def expert_counts(files: list[str], profile: Profile) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                expert = profile.expert(name)
+                if expert is not None:
+                    counts[expert.group] = max(counts.get(expert.group, 0), expert.expert + 1)
+    return counts
+
+
+def load(directory, profile: Profile, layout: MoELayout, copy_threads: int = 24, open_threads: int = 8,
+         counts: dict | None = None, params: dict | None = None) -> dict[str, torch.Tensor]:
+    """Load a model directory into host tensors the engine's way; returns {name: parameter}."""
+    files = shard_files(directory)
+    counts = counts if counts is not None else expert_counts(files, profile)
+    params = {} if params is None else params
+    with ThreadPoolExecutor(copy_threads) as copies:
+        futures = []
+        for name, tensor in iterate(files, open_threads):
+            source = narrowed(name, tensor, profile, layout, counts)
+            if source is None:
+                continue
+            if name not in params:
+                params[name] = torch.empty(source.shape, dtype=source.dtype)
+            futures.append(copies.submit(params[name].copy_, source))
+        for future in futures:
+            future.result()
+    return params
