@@ -328,9 +328,11 @@ def cmd_umount(args) -> int:
         else:
             print(f"rankfs: {mountpoint}: unmount failed: {message}", file=sys.stderr)
         return EXIT_FAILURE
-    if pid:
+    if pid and not args.lazy:
         _wait_gone(pid, timeout=30)
-    print(f"rankfs: unmounted {mountpoint}" + (" (its daemon had died)" if state == "dead" else ""))
+    note = " (its daemon had died)" if state == "dead" else \
+        " (detached; the daemon ends when the last open file closes)" if args.lazy else ""
+    print(f"rankfs: unmounted {mountpoint}{note}")
     return EXIT_OK
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import subprocess
@@ -45,6 +46,7 @@ def mounted(checkpoint, mountpoint, *flags):
     try:
         yield mountpoint
     finally:
+        gc.collect()  # tensors mapped from the mount keep it busy
         if rankfs("umount", mountpoint, check=False).returncode != 0:
             rankfs("umount", "--lazy", mountpoint, check=False)
 
