@@ -51,7 +51,7 @@ def health(mountpoint: str | os.PathLike) -> str:
     if entry.fstype != FSTYPE:
         return "other"
     try:
-        os.stat(mountpoint)
+        os.statvfs(mountpoint)  # always answered by the daemon (stat may come from the kernel's cache)
     except OSError as exc:
         if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):
             return "dead"

@@ -269,7 +269,11 @@ class ReadEngine:
         view = memoryview(buffer)
         done = 0
         while done < end - begin:
-            n = os.preadv(fd, [view[done:]], begin + done)
+            try:
+                n = os.preadv(fd, [view[done:]], begin + done)
+            except OSError as exc:
+                raise BackingError(f"{source.path}: read at offset {begin + done} failed: "
+                                   f"{exc.strerror}") from None
             if n == 0:
                 break
             done += n

@@ -77,3 +77,10 @@ def expected_view(names, n_experts: int, draft_experts: int, ep_size: int, ep_ra
                 continue
         out.add(name)
     return out
+
+
+@pytest.fixture
+def copied_checkpoint(tiny_checkpoint, tmp_path) -> Path:
+    """A private copy, for tests that damage it."""
+    import shutil
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))

@@ -35,7 +35,7 @@ class ServedFile:
     memory: bytes = b""  # the bytes of "header" extents (at the file's start)
     runs: dict[int, ChunkRun] = field(default_factory=dict)  # data extent offset -> its chunks
     stream: Stream | None = None
-    view: str = ""
+    view: str = ""  # for messages: "target/model-00001-of-00048.safetensors"
 
     def __post_init__(self):
         self._starts = [e.offset for e in self.extents]
@@ -62,7 +62,8 @@ class LazyView:
             for vfile in self.view.files:
                 extents = vfile.extents()
                 runs = {e.offset: ChunkRun(e) for e in extents if e.kind == "data"}
-                self._served.append(ServedFile(vfile.size, extents, vfile.header, runs, view=self.label))
+                self._served.append(ServedFile(vfile.size, extents, vfile.header, runs,
+                                               view=f"{self.label}/{vfile.name}"))
             stream = self.engine.add_stream(self.label, [
                 [c for run in served.runs.values() for c in run.chunks] for served in self._served])
             for served in self._served:
@@ -135,10 +136,10 @@ class Tree:
         for name, source_index in view.plain_files:
             source = layout.sources[source_index]
             extent = Extent(0, source.size, "data", source_index, 0, tensor=name, order=-1, on_demand=True)
-            served = ServedFile(source.size, [extent], view=label)
+            served = ServedFile(source.size, [extent], view=f"{label}/{name}")
             served.runs[0] = ChunkRun(extent)
             self._add(name, directory.inode, source.mtime_ns, file=served)
-        self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, label))
+        self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, f"{label}/{INDEX_NAME}"))
         lazy = LazyView(label, view, engine)
         for position, vfile in enumerate(view.files):
             self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,
