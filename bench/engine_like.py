@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -84,21 +85,46 @@ def expert_counts(files: list[str], profile: Profile) -> dict[str, int]:
     return counts
 
 
+class Progress:
+    """Bytes copied so far, readable from another thread (for the benchmark's timeline)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int):
+        with self._lock:
+            self.bytes += n
+
+
 def load(directory, profile: Profile, layout: MoELayout, copy_threads: int = 24, open_threads: int = 8,
-         counts: dict | None = None, params: dict | None = None) -> dict[str, torch.Tensor]:
-    """Load a model directory into host tensors the engine's way; returns {name: parameter}."""
+         counts: dict | None = None, params: dict | None = None, keep=None, device: str = "cpu",
+         progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Load a model directory the engine's way into tensors on `device`; returns {name: parameter}.
+    `keep(name)` picks the model's tensors (the target skips mtp.*); missing weights are an error
+    only when the directory has no shards at all, as in the engines."""
     files = shard_files(directory)
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors files")
     counts = counts if counts is not None else expert_counts(files, profile)
     params = {} if params is None else params
+
+    def copy(name, source):
+        params[name].copy_(source, non_blocking=False)
+        if progress is not None:
+            progress.add(source.numel() * source.element_size())
+
     with ThreadPoolExecutor(copy_threads) as copies:
         futures = []
         for name, tensor in iterate(files, open_threads):
+            if keep is not None and not keep(name):
+                continue
             source = narrowed(name, tensor, profile, layout, counts)
             if source is None:
                 continue
             if name not in params:
-                params[name] = torch.empty(source.shape, dtype=source.dtype)
-            futures.append(copies.submit(params[name].copy_, source))
+                params[name] = torch.empty(source.shape, dtype=source.dtype, device=device)
+            futures.append(copies.submit(copy, name, source))
         for future in futures:
             future.result()
     return params

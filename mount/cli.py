@@ -70,8 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     layout_flags(q)
     g = q.add_argument_group("serving")
     g.add_argument("--inflight-gb", type=float, metavar="GB",
-                   help="memory the daemon may hold for read-ahead (default: 1/8 of available, "
-                        "0.25-8 GiB)")
+                   help="memory the daemon may hold for read-ahead (default 1 GiB; less when under "
+                        "8 GiB are available)")
     g.add_argument("--workers", type=int, default=8, help="parallel backing reads (default 8)")
     g.add_argument("--direct-io", action="store_true",
                    help="read the backing files with O_DIRECT (best on NVMe); default is buffered "

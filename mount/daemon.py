@@ -65,6 +65,8 @@ class Daemon:
             "peak_held_bytes": stats.peak_held_bytes,
             "budget_bytes": self.config.budget_bytes,
             "rss_bytes": psutil.Process().memory_info().rss,
+            "requests": self.ops.requests,
+            "request_bytes": self.ops.request_bytes,
             "demand_loads": stats.demand_loads,
             "prefetch_loads": stats.prefetch_loads,
             "errors": stats.errors,
@@ -75,15 +77,13 @@ class Daemon:
     def status_json(self) -> bytes:
         return json.dumps(self.status(), indent=2).encode() + b"\n"
 
-    def drop_caches(self):
-        """Free the engine's buffers and the kernel's page cache of every virtual file."""
-        self.engine.drop()
+    def invalidate_page_cache(self):
+        """Drop the kernel's page cache of every virtual file (blocking: run it in a thread)."""
         for node in self.tree.files():
             try:
                 pyfuse3.invalidate_inode(node.inode, attr_only=False)
             except OSError:
                 pass  # never looked up by the kernel: nothing cached
-        log.info("dropped the engine's buffers and the views' page cache")
 
     async def run(self, on_ready):
         async with trio.open_nursery() as nursery:
@@ -105,7 +105,9 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
             async for signum in signals:
                 if signum == signal.SIGUSR1:
-                    await trio.to_thread.run_sync(self.drop_caches)
+                    self.engine.drop()
+                    await trio.to_thread.run_sync(self.invalidate_page_cache)
+                    log.info("dropped the read engine's buffers and the views' page cache")
                 else:
                     log.info("signal %s: unmounting", signal.Signals(signum).name)
                     cancel_scope.cancel()

@@ -14,6 +14,8 @@ import collections
 import logging
 import mmap
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -34,12 +36,53 @@ class BackingError(OSError):
     """A source file that cannot be read as planned; the message names it."""
 
 
+class BufferPool:
+    """Chunk-sized anonymous maps, reused: a fresh map costs a page fault per 4 KiB, which halves
+    the read rate. A buffer goes back to the pool only once no memoryview of it is left (a reply
+    still being written holds one), which its reference count tells."""
+
+    IDLE_MAX = 4
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self._idle: list[mmap.mmap] = []
+        self._retired: list[mmap.mmap] = []
+
+    def reuse(self, nbytes: int) -> mmap.mmap | None:
+        """An idle buffer that fits, if any (event-loop thread)."""
+        if nbytes > self.nbytes:
+            return None
+        self._reclaim()
+        return self._idle.pop() if self._idle else None
+
+    def new(self, nbytes: int) -> mmap.mmap:
+        """A new buffer (worker thread: mmap releases the GIL while it populates the pages)."""
+        return mmap.mmap(-1, max(nbytes, self.nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+
+    def give(self, buffer: mmap.mmap):
+        if len(buffer) == self.nbytes:
+            self._retired.append(buffer)
+
+    def _reclaim(self):
+        still_viewed = []
+        for buffer in self._retired:
+            # references: the list, the loop variable, getrefcount's argument
+            if sys.getrefcount(buffer) > 3:
+                still_viewed.append(buffer)
+            elif len(self._idle) < self.IDLE_MAX:
+                self._idle.append(buffer)
+        self._retired = still_viewed
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
 class Chunk:
     """A piece of a data extent, read from the source in one go."""
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
-                 "tensor", "order", "on_demand", "buffer", "loading", "served", "prefetched", "stream_pos",
-                 "error")
+                 "tensor", "order", "on_demand", "buffer", "backing", "loading", "served", "prefetched",
+                 "stream_pos", "error")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # virtual offset
@@ -52,9 +95,10 @@ class Chunk:
         self.order = extent.order
         self.on_demand = extent.on_demand
         self.buffer: memoryview | None = None
+        self.backing: mmap.mmap | None = None  # the pool buffer `buffer` views
         self.loading: trio.Event | None = None
         self.served = 0
-        self.prefetched = False
+        self.prefetched = -1  # the prefetch pass that last read it
         self.stream_pos = -1
         self.error: str | None = None  # the last failed read's reason: served as EIO, never as data
 
@@ -80,7 +124,9 @@ class Stream:
     name: str
     chunks: list[Chunk]
     cursor: int = 0
-    active: bool = False
+    active: bool = False  # the view has been opened
+    running: bool = False  # a prefetch pass is under way
+    passes: int = 0
     planned_bytes: int = 0
     served_bytes: int = 0
 
@@ -107,6 +153,8 @@ class ReadEngine:
         self.streams: dict[str, Stream] = {}
         self._limiter = trio.CapacityLimiter(workers)
         self._fds: dict[int, int] = {}
+        self._fds_lock = threading.Lock()
+        self._pool = BufferPool(DEFAULT_CHUNK_BYTES + 2 * PAGE)
         self._loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
         self._budget_freed = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -125,9 +173,13 @@ class ReadEngine:
 
     def activate(self, stream: Stream):
         """Start prefetching a view (called when the loader first opens one of its files)."""
-        if not stream.active:
-            stream.active = True
-            self._nursery.start_soon(self._prefetch, stream)
+        stream.active = True
+        if not stream.running and stream.cursor < len(stream.chunks):
+            self._start_pass(stream, stream.cursor)
+
+    def _start_pass(self, stream: Stream, position: int):
+        stream.running, stream.cursor, stream.passes = True, position, stream.passes + 1
+        self._nursery.start_soon(self._prefetch, stream)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED):
         """Own the prefetch tasks until cancelled."""
@@ -149,7 +201,7 @@ class ReadEngine:
         while buffer is None:
             if chunk.loading is None:
                 self.stats.demand_loads += 1
-                if stream is not None:
+                if stream is not None and chunk.stream_pos >= 0:
                     self._follow_demand(stream, chunk)
                 self._make_room(chunk.length)
                 chunk.loading = trio.Event()
@@ -171,9 +223,14 @@ class ReadEngine:
             self._release(chunk)
 
     def drop(self):
-        """Release every chunk in memory (after the load, or on request)."""
+        """Release every chunk in memory (after the load, or on request). A view read again after
+        a drop (another engine, a restart) is prefetched from its start again."""
         for chunk in list(self._loaded.values()):
             self._release(chunk)
+        for stream in self.streams.values():
+            stream.cursor = 0
+            for chunk in stream.chunks:
+                chunk.served = 0
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -181,20 +238,26 @@ class ReadEngine:
         # A loader far ahead of the prefetcher: skip to where it reads rather than fill the budget
         # with bytes it has passed.
         window = max(1, self.budget // DEFAULT_CHUNK_BYTES)
-        if chunk.stream_pos - stream.cursor > window:
+        if stream.running and chunk.stream_pos - stream.cursor > window:
             stream.cursor = chunk.stream_pos + 1
 
     async def _prefetch(self, stream: Stream):
+        try:
+            await self._prefetch_pass(stream)
+        finally:
+            stream.running = False
+
+    async def _prefetch_pass(self, stream: Stream):
         while stream.cursor < len(stream.chunks):
             chunk = stream.chunks[stream.cursor]
             stream.cursor += 1
-            if chunk.buffer is not None or chunk.loading is not None or chunk.prefetched:
+            if chunk.buffer is not None or chunk.loading is not None or chunk.prefetched == stream.passes:
                 continue
             while self.stats.held_bytes and self.stats.held_bytes + chunk.length > self.budget:
                 await self._budget_freed.wait()
             if chunk.buffer is not None or chunk.loading is not None:
                 continue
-            chunk.prefetched = True
+            chunk.prefetched = stream.passes
             self.stats.prefetch_loads += 1
             self._reserve(chunk.length)
             chunk.loading = trio.Event()  # before the task starts: a demand read must wait for it
@@ -213,6 +276,8 @@ class ReadEngine:
     def _release(self, chunk: Chunk):
         if self._loaded.pop(id(chunk), None) is not None:
             chunk.buffer = None
+            self._pool.give(chunk.backing)
+            chunk.backing = None
             self.stats.held_bytes -= chunk.length
             self._budget_freed.set()
             self._budget_freed = trio.Event()
@@ -220,7 +285,9 @@ class ReadEngine:
     async def _load(self, chunk: Chunk):
         """Read a chunk whose `loading` event is set, and wake whoever waits on it."""
         try:
-            chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, limiter=self._limiter)
+            reused = self._pool.reuse(chunk.length + 2 * PAGE)
+            chunk.backing, chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, reused,
+                                                                        limiter=self._limiter)
             chunk.error = None
             if chunk.on_demand:
                 self.stats.on_demand_read_bytes += chunk.length
@@ -238,10 +305,11 @@ class ReadEngine:
             event.set()
 
     def _fd(self, index: int) -> int:
-        if index not in self._fds:
-            flags = os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0)
-            self._fds[index] = os.open(self.sources[index].path, flags)
-        return self._fds[index]
+        with self._fds_lock:  # worker threads
+            if index not in self._fds:
+                flags = os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0)
+                self._fds[index] = os.open(self.sources[index].path, flags)
+            return self._fds[index]
 
     def _check_unchanged(self, source: SourceFile):
         try:
@@ -254,7 +322,7 @@ class ReadEngine:
                                f"(size {source.size} -> {st.st_size}, mtime or inode differ); "
                                "remount to serve the new file")
 
-    def _read_chunk(self, chunk: Chunk) -> memoryview:
+    def _read_chunk(self, chunk: Chunk, buffer: mmap.mmap | None) -> tuple[mmap.mmap, memoryview]:
         """Runs in a worker thread: one large read, fill outside the slice, drop the source's cache."""
         source = self.sources[chunk.source]
         self._check_unchanged(source)
@@ -265,8 +333,9 @@ class ReadEngine:
             end = -(-end // PAGE) * PAGE
         else:
             skip = 0
-        buffer = mmap.mmap(-1, end - begin)
-        view = memoryview(buffer)
+        if buffer is None:
+            buffer = self._pool.new(end - begin)
+        view = memoryview(buffer)[:end - begin]
         done = 0
         while done < end - begin:
             try:
@@ -287,7 +356,7 @@ class ReadEngine:
             rows = np.frombuffer(data, np.uint8).reshape(-1, chunk.row_bytes)
             rows[:, :chunk.keep_start] = FILL_BYTE
             rows[:, chunk.keep_stop:] = FILL_BYTE
-        return data
+        return buffer, data
 
 
 class ChunkRun:

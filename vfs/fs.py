@@ -38,6 +38,8 @@ class RankFS(pyfuse3.Operations):
         self._handles: dict[int, ServedFile] = {}
         self._next_fh = 1
         self._fill = _Fill()
+        self.requests = 0  # reads answered, and their bytes: the average tells the request size
+        self.request_bytes = 0
 
     # -- names and attributes -------------------------------------------------------------------
 
@@ -135,6 +137,8 @@ class RankFS(pyfuse3.Operations):
         except BackingError as exc:
             log.error("%s: EIO for bytes %d-%d: %s", served.view, off, end, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        self.requests += 1
+        self.request_bytes += end - off
         if len(pieces) == 1:
             return pieces[0]
         return b"".join(pieces)

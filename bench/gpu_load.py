@@ -1,0 +1,112 @@
+"""End-to-end load into CUDA memory: the stock path (mmap of the original files, pageable copies)
+against the rankfs view through the hook (pinned slabs), each in a process of its own.
+
+    python -m bench.gpu_load CHECKPOINT MOUNTPOINT [--tp-size 4 --tp-rank 1 --ep-size 1]
+
+Mounts the rank's view, loads it both ways with the engine-like loader, checks that every parameter
+is bitwise equal (digests of the GPU bytes), and prints the memory figures after each load: RSS,
+MemAvailable lost, CUDA reserved, and for the hook its release report (slabs, pinned, leftovers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(mode: str, directory: str, counts_from: str, layout: dict, device: str) -> dict:
+    import gc
+
+    import torch
+
+    from bench.engine_like import MoELayout, expert_counts, load, shard_files
+    from loader import memory
+    from plan.profiles import BY_NAME
+    torch.empty(1, device=device)  # the CUDA context belongs to the baseline
+    baseline = memory.snapshot()
+    if mode == "hook":
+        import loader
+        loader.activate("on")
+    profile = BY_NAME["deepseek-v4"]
+    config = json.loads((Path(counts_from) / "config.json").read_text())
+    began = time.monotonic()
+    params = load(directory, profile, MoELayout(**layout), counts=expert_counts(shard_files(counts_from), profile),
+                  keep=lambda n: not profile.is_draft(n, config), device=device)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    seconds = time.monotonic() - began
+    out = {"mode": mode, "seconds": seconds, "params": len(params),
+           "bytes": sum(p.numel() * p.element_size() for p in params.values())}
+    if mode == "hook":
+        import loader
+        figures = loader.release("target")
+        out["release"] = {k: figures[k] for k in ("pinned", "slabs", "slab_requests", "peak_slab_bytes",
+                                                  "slabs_alive", "torch_host_allocs", "nontorch_since_load_start")}
+    else:  # what an engine does after a stock load
+        gc.collect()
+        memory.malloc_trim()
+        memory.return_pinned_and_cached()
+    after = memory.snapshot()
+    reserved = after["cuda_reserved"] - baseline["cuda_reserved"]
+    out.update(rss_growth=after["rss"] - baseline["rss"],
+               mem_available_lost=baseline["memavailable"] - after["memavailable"],
+               cuda_reserved_growth=reserved, cached_growth=after["cached"] - baseline["cached"])
+    out["digests"] = {name: hashlib.sha256(p.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+                      .hexdigest() for name, p in sorted(params.items())}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("checkpoint")
+    p.add_argument("mountpoint")
+    p.add_argument("--tp-size", type=int, default=4)
+    p.add_argument("--tp-rank", type=int, default=1)
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    moe_tp = args.tp_size // args.ep_size
+    layout = {"moe_tp_size": moe_tp, "moe_tp_rank": args.tp_rank % moe_tp, "ep_size": args.ep_size,
+              "ep_rank": args.tp_rank // moe_tp}
+    if args._child:
+        mode, directory, _ = args._child
+        print(json.dumps(child(mode, directory, args.checkpoint, layout, args.device)))
+        return 0
+    cli = [sys.executable, "-m", "mount.cli"]
+    Path(args.mountpoint).mkdir(parents=True, exist_ok=True)
+    subprocess.run(cli + ["mount", args.checkpoint, args.mountpoint, "--tp-size", str(args.tp_size), "--tp-rank",
+                          str(args.tp_rank), "--ep-size", str(args.ep_size)], check=True, cwd=ROOT)
+    results = {}
+    try:
+        for mode, directory in (("stock", args.checkpoint), ("hook", str(Path(args.mountpoint) / "target"))):
+            subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"])
+            run = subprocess.run([sys.executable, "-m", "bench.gpu_load", args.checkpoint, args.mountpoint,
+                                  "--tp-size", str(args.tp_size), "--tp-rank", str(args.tp_rank), "--ep-size",
+                                  str(args.ep_size), "--device", args.device, "--_child", mode, directory, "x"], cwd=ROOT,
+                                 capture_output=True, text=True)
+            if run.returncode:
+                print(run.stderr[-3000:])
+                return 1
+            results[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+    finally:
+        subprocess.run(cli + ["umount", args.mountpoint], cwd=ROOT)
+    stock, hook = results["stock"], results["hook"]
+    same = stock["digests"] == hook["digests"]
+    for r in (stock, hook):
+        digests = r.pop("digests")
+        r["params"] = len(digests)
+        print(json.dumps(r))
+    print(f"bitwise equal in {args.device} memory: {same} ({stock['params']} parameters, {stock['bytes'] / 1e9:.2f} GB)")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
