@@ -107,9 +107,10 @@ class Hook:
             "slab_requests": stats.requests, "slabs": stats.slabs,
             "peak_slab_bytes": stats.peak_live_bytes, "slabs_alive": len(leftovers),
             "torch_host_allocs": _host_alloc_count(),
-            # MemAvailable lost since the load began, less what CUDA's allocator grew by.
+            # MemAvailable lost since the load began, less what CUDA's allocator grew by where that
+            # is host memory (unified memory).
             "nontorch_since_load_start": (start["memavailable"] - after["memavailable"])
-            - (after["cuda_reserved"] - start["cuda_reserved"]),
+            - ((after["cuda_reserved"] - start["cuda_reserved"]) if memory.unified_memory() else 0),
         }
         line = memory.format_line(figures)
         log.warning("%s", line)

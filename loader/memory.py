@@ -28,6 +28,11 @@ def meminfo() -> dict[str, int]:
     return values
 
 
+def unified_memory() -> bool:
+    """An integrated GPU (DGX Spark / GB10): CUDA's memory is the host's memory."""
+    return bool(torch.cuda.is_available() and torch.cuda.get_device_properties(0).is_integrated)
+
+
 def cuda_reserved() -> int:
     return torch.cuda.memory_reserved() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
 

@@ -68,6 +68,8 @@ class Daemon:
             "requests": self.ops.requests,
             "request_bytes": self.ops.request_bytes,
             "demand_loads": stats.demand_loads,
+            "buffers": {"created": self.engine._pool.created, "idle": len(self.engine._pool._idle),
+                        "retired": len(self.engine._pool._retired)},
             "prefetch_loads": stats.prefetch_loads,
             "errors": stats.errors,
             "tuning": self.tuning,

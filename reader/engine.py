@@ -37,31 +37,33 @@ class BackingError(OSError):
 
 
 class BufferPool:
-    """Chunk-sized anonymous maps, reused: a fresh map costs a page fault per 4 KiB, which halves
+    """Anonymous maps for chunks, reused: a fresh map costs a page fault per 4 KiB, which halves
     the read rate. A buffer goes back to the pool only once no memoryview of it is left (a reply
-    still being written holds one), which its reference count tells."""
+    still being written holds one), which its reference count tells. Idle buffers are few, so the
+    daemon's memory stays within the budget plus IDLE_MAX buffers."""
 
-    IDLE_MAX = 4
+    IDLE_MAX = 8
 
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
+    def __init__(self):
         self._idle: list[mmap.mmap] = []
         self._retired: list[mmap.mmap] = []
+        self.created = 0
 
     def reuse(self, nbytes: int) -> mmap.mmap | None:
-        """An idle buffer that fits, if any (event-loop thread)."""
-        if nbytes > self.nbytes:
-            return None
+        """An idle buffer that fits without wasting more than a quarter (event-loop thread)."""
         self._reclaim()
-        return self._idle.pop() if self._idle else None
+        for i, buffer in enumerate(self._idle):
+            if nbytes <= len(buffer) <= nbytes + nbytes // 4 + PAGE:
+                return self._idle.pop(i)
+        return None
 
     def new(self, nbytes: int) -> mmap.mmap:
         """A new buffer (worker thread: mmap releases the GIL while it populates the pages)."""
-        return mmap.mmap(-1, max(nbytes, self.nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        self.created += 1
+        return mmap.mmap(-1, -(-nbytes // PAGE) * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
 
     def give(self, buffer: mmap.mmap):
-        if len(buffer) == self.nbytes:
-            self._retired.append(buffer)
+        self._retired.append(buffer)
 
     def _reclaim(self):
         still_viewed = []
@@ -105,6 +107,12 @@ class Chunk:
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    def read_span(self, direct_io: bool) -> int:
+        """Bytes one read of it takes: O_DIRECT widens it to whole pages."""
+        if not direct_io:
+            return self.length
+        return -(-(self.source_offset + self.length) // PAGE) * PAGE - self.source_offset // PAGE * PAGE
 
 
 def split_extent(extent: Extent, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Chunk]:
@@ -154,7 +162,7 @@ class ReadEngine:
         self._limiter = trio.CapacityLimiter(workers)
         self._fds: dict[int, int] = {}
         self._fds_lock = threading.Lock()
-        self._pool = BufferPool(DEFAULT_CHUNK_BYTES + 2 * PAGE)
+        self._pool = BufferPool()
         self._loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
         self._budget_freed = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -285,7 +293,7 @@ class ReadEngine:
     async def _load(self, chunk: Chunk):
         """Read a chunk whose `loading` event is set, and wake whoever waits on it."""
         try:
-            reused = self._pool.reuse(chunk.length + 2 * PAGE)
+            reused = self._pool.reuse(chunk.read_span(self.direct_io))
             chunk.backing, chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, reused,
                                                                         limiter=self._limiter)
             chunk.error = None
@@ -328,7 +336,7 @@ class ReadEngine:
         self._check_unchanged(source)
         fd = self._fd(chunk.source)
         begin, end = chunk.source_offset, chunk.source_offset + chunk.length
-        if self.direct_io:
+        if self.direct_io:  # O_DIRECT reads whole aligned pages
             begin, skip = begin - begin % PAGE, begin % PAGE
             end = -(-end // PAGE) * PAGE
         else:

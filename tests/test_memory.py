@@ -1,0 +1,84 @@
+"""Memory is a budget: the daemon's peak RSS stays under the budget plus 256 MiB while serving a
+checkpoint several times larger, and after `rankfs drop` the views hold no page cache."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+
+import pytest
+
+from conftest import mounted, rankfs
+from fixture import deepseek_v4
+
+MIB = 1 << 20
+
+
+def resident_pages(path) -> int:
+    """Pages of a file in the page cache: mincore over a private read-only map (faults nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            if libc.mincore(address, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            libc.munmap(address, size)
+        return sum(v & 1 for v in vec)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def large_checkpoint(tmp_path_factory):
+    # ~0.6 GB: over four times the 128 MiB budget below.
+    spec = deepseek_v4.FixtureSpec(layers=8, experts=16, hidden=2048, inter=1024, vocab=4096, shards=8,
+                                   draft_shards=1, draft_experts=8, draft_stages=1, engram_rows=1024)
+    return deepseek_v4.write(tmp_path_factory.mktemp("large") / "dsv4", spec)
+
+
+def vm_hwm(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+@pytest.mark.parametrize("flags", [["--tp-size", 2, "--tp-rank", 0, "--ep-size", 2],
+                                   ["--tp-size", 1, "--tp-rank", 0]])
+def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
+    budget = 128 * MIB
+    data = sum(p.stat().st_size for p in large_checkpoint.glob("*.safetensors"))
+    with mounted(large_checkpoint, mount_dir, *flags, "--inflight-gb", budget / (1 << 30)):
+        status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
+        served = 0
+        for shard in sorted((mount_dir / "target").glob("*.safetensors")):
+            with open(shard, "rb") as f:
+                while chunk := f.read(16 * MIB):
+                    served += len(chunk)
+        peak = vm_hwm(status["pid"])
+        status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
+    assert data > 4 * budget and served > 2 * budget
+    assert status["peak_held_bytes"] <= budget
+    assert peak < budget + 256 * MIB, f"daemon peak RSS {peak / MIB:.0f} MiB"
+
+
+def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+        files = sorted((mount_dir / "target").glob("*.safetensors"))
+        for path in files:
+            path.read_bytes()
+        assert sum(resident_pages(p) for p in files) > 0
+        result = rankfs("drop", mount_dir)
+        assert "dropped" in result.stdout
+        assert sum(resident_pages(p) for p in files) == 0

@@ -1,0 +1,65 @@
+"""Planning on its own (no FUSE), and the plan command at the production checkpoint's full scale."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from conftest import mounted, rankfs
+from fixture import deepseek_v4
+from plan.checkpoint import Checkpoint
+from plan.layout import RankSpec, plan_rank, plan_ranks
+from plan.safetensors import DTYPE_SIZES, parse_header
+
+
+@pytest.fixture(scope="module")
+def full_scale(tmp_path_factory):
+    return deepseek_v4.write(tmp_path_factory.mktemp("full") / "dsv4", deepseek_v4.FixtureSpec.full_scale(),
+                             header_only=True)
+
+
+def test_virtual_files_are_valid_safetensors_layouts(tiny_checkpoint):
+    checkpoint = Checkpoint.open(tiny_checkpoint)
+    for spec in (RankSpec(4, 1, 1), RankSpec(4, 3, 2), RankSpec(8, 5, 8, tp_slice="on")):
+        for view in plan_rank(checkpoint, spec).views:
+            for vfile in view.files:
+                header = vfile.header
+                assert len(header) % 8 == 0
+                parsed = parse_header(vfile.name, header[8:], vfile.size)  # no holes, exact size
+                for entry in parsed.tensors.values():
+                    assert (parsed.data_start + entry.begin) % DTYPE_SIZES[entry.dtype] == 0
+                assert sorted(parsed.tensors) == sorted(vfile.tensor_names)
+
+
+def test_layouts_are_data_that_compare(tiny_checkpoint):
+    checkpoint = Checkpoint.open(tiny_checkpoint)
+    a, b = plan_rank(checkpoint, RankSpec(4, 1, 2)), plan_rank(Checkpoint.open(tiny_checkpoint), RankSpec(4, 1, 2))
+    assert a == b
+    assert a != plan_rank(checkpoint, RankSpec(4, 2, 2))
+    assert plan_ranks(checkpoint, [RankSpec(4, r, 2) for r in range(4)])[1] == a
+
+
+def test_plan_prints_the_per_rank_table_at_full_scale(full_scale):
+    result = rankfs("plan", full_scale, "--tp-size", 4, "--ep-size", 1)
+    lines = result.stdout.splitlines()
+    assert "profile deepseek-v4" in lines[0] and "experts sliced" in lines[0]
+    assert sum(1 for line in lines if " target " in line) == 4 and sum(1 for line in lines if " draft " in line) == 4
+    rows = json.loads(rankfs("plan", full_scale, "--tp-size", 4, "--ep-size", 2, "--json").stdout)
+    assert len(rows) == 8
+    assert {"rank", "view", "files", "tensors", "read_bytes", "kept_bytes", "largest_file_bytes"} <= set(rows[0])
+    target = [r for r in rows if r["view"] == "target"]
+    assert all(r["files"] == 45 for r in target) and all(140e9 < r["read_bytes"] < 170e9 for r in target)
+
+
+def test_full_scale_checkpoint_mounts(full_scale, mount_dir):
+    with mounted(full_scale, mount_dir, "--tp-size", 4, "--tp-rank", 0):
+        shards = sorted((mount_dir / "target").glob("*.safetensors"))
+        assert len(shards) == 45 and len(list((mount_dir / "draft").glob("*.safetensors"))) == 3
+        with open(shards[0], "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        assert any(".experts." in name for name in header)
+        index = json.loads((mount_dir / "target" / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == [p.name for p in shards]
