@@ -1,6 +1,6 @@
 """One benchmark path, run in a process of its own so that its peak RSS is its own:
 
-    python -m bench.paths KIND '{json arguments}'   ->  one JSON line on stdout
+    python -m bench.paths KIND < arguments.json   ->  one JSON line on stdout
 
 KIND: engine (the engine-like loader over a directory, optionally through the hook), runai,
 fastsafetensors, raw (parallel preads of exact byte ranges, O_DIRECT or buffered).
@@ -126,5 +126,5 @@ def run_raw(args: dict) -> dict:
 RUNNERS = {"engine": run_engine, "runai": run_runai, "fastsafetensors": run_fastsafetensors, "raw": run_raw}
 
 if __name__ == "__main__":
-    kind, payload = sys.argv[1], json.loads(sys.argv[2])
+    kind, payload = sys.argv[1], json.load(sys.stdin)
     print(json.dumps(RUNNERS[kind](payload)))

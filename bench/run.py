@@ -57,7 +57,7 @@ def readahead_file(path: Path) -> Path:
 
 
 def run_path(kind: str, args: dict) -> dict:
-    result = subprocess.run([sys.executable, "-m", "bench.paths", kind, json.dumps(args)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "bench.paths", kind], input=json.dumps(args), cwd=ROOT,
                             capture_output=True, text=True)
     if result.returncode != 0:
         return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
