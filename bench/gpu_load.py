@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -63,6 +64,19 @@ def child(mode: str, directory: str, counts_from: str, layout: dict, device: str
     return out
 
 
+def _child_command(args, rank: int, mode: str, directory: str, device: str) -> list[str]:
+    return [sys.executable, "-m", "bench.gpu_load", args.checkpoint, args.mountpoint, "--tp-size", str(args.tp_size),
+            "--tp-rank", str(rank), "--ep-size", str(args.ep_size), "--device", device,
+            "--_child", mode, directory, "x"]
+
+
+def _finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(err[-3000:])
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("checkpoint")
@@ -70,41 +84,46 @@ def main() -> int:
     p.add_argument("--tp-size", type=int, default=4)
     p.add_argument("--tp-rank", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--local-ranks", help="several ranks at once through one mount (e.g. 0,1), one GPU each")
     p.add_argument("--device", default="cuda")
     p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     moe_tp = args.tp_size // args.ep_size
-    layout = {"moe_tp_size": moe_tp, "moe_tp_rank": args.tp_rank % moe_tp, "ep_size": args.ep_size,
-              "ep_rank": args.tp_rank // moe_tp}
     if args._child:
+        layout = {"moe_tp_size": moe_tp, "moe_tp_rank": args.tp_rank % moe_tp, "ep_size": args.ep_size,
+                  "ep_rank": args.tp_rank // moe_tp}
         mode, directory, _ = args._child
         print(json.dumps(child(mode, directory, args.checkpoint, layout, args.device)))
         return 0
+    ranks = [int(r) for r in args.local_ranks.split(",")] if args.local_ranks else [args.tp_rank]
+    devices = [f"cuda:{i}" if args.device == "cuda" and len(ranks) > 1 else args.device for i in range(len(ranks))]
     cli = [sys.executable, "-m", "mount.cli"]
     Path(args.mountpoint).mkdir(parents=True, exist_ok=True)
-    subprocess.run(cli + ["mount", args.checkpoint, args.mountpoint, "--tp-size", str(args.tp_size), "--tp-rank",
-                          str(args.tp_rank), "--ep-size", str(args.ep_size)], check=True, cwd=ROOT)
+    rank_flags = ["--local-ranks", args.local_ranks] if args.local_ranks else ["--tp-rank", str(args.tp_rank)]
+    subprocess.run(cli + ["mount", args.checkpoint, args.mountpoint, "--tp-size", str(args.tp_size), "--ep-size",
+                          str(args.ep_size)] + rank_flags, check=True, cwd=ROOT)
+    # With several local ranks every rank is started with the same shared view, as an engine is.
+    view = str(Path(args.mountpoint) / "target")
     results = {}
     try:
-        for mode, directory in (("stock", args.checkpoint), ("hook", str(Path(args.mountpoint) / "target"))):
+        for mode, directory in (("stock", args.checkpoint), ("hook", view)):
             subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"])
-            run = subprocess.run([sys.executable, "-m", "bench.gpu_load", args.checkpoint, args.mountpoint,
-                                  "--tp-size", str(args.tp_size), "--tp-rank", str(args.tp_rank), "--ep-size",
-                                  str(args.ep_size), "--device", args.device, "--_child", mode, directory, "x"], cwd=ROOT,
-                                 capture_output=True, text=True)
-            if run.returncode:
-                print(run.stderr[-3000:])
-                return 1
-            results[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+            procs = [subprocess.Popen(_child_command(args, rank, mode, directory, device), cwd=ROOT, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      env={**os.environ, "RANKFS_RANK": str(rank)})
+                     for rank, device in zip(ranks, devices)]
+            results[mode] = [_finish(proc) for proc in procs]
     finally:
         subprocess.run(cli + ["umount", args.mountpoint], cwd=ROOT)
-    stock, hook = results["stock"], results["hook"]
-    same = stock["digests"] == hook["digests"]
-    for r in (stock, hook):
-        digests = r.pop("digests")
-        r["params"] = len(digests)
-        print(json.dumps(r))
-    print(f"bitwise equal in {args.device} memory: {same} ({stock['params']} parameters, {stock['bytes'] / 1e9:.2f} GB)")
+    same = True
+    for rank, stock, hook in zip(ranks, results["stock"], results["hook"]):
+        equal = stock["digests"] == hook["digests"]
+        same &= equal
+        for r in (stock, hook):
+            r["params"] = len(r.pop("digests"))
+            print(json.dumps({"rank": rank, **r}))
+        print(f"rank {rank}: bitwise equal in {args.device} memory: {equal} ({stock['params']} parameters, "
+              f"{stock['bytes'] / 1e9:.2f} GB)")
     return 0 if same else 1
 
 

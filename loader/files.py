@@ -57,6 +57,7 @@ class RankfsFile:
         self._place = {name: (g, offset) for g, group in enumerate(groups) for name, offset in group}
         self._groups = groups
         self._remaining = [len(group) for group in groups]
+        self._demanded: set[int] = set()
         self._futures: list[Future | None] = [hook.executor.submit(self._load, g) for g in range(len(groups))]
 
     # -- the safe_open interface ----------------------------------------------------------------
@@ -76,6 +77,7 @@ class RankfsFile:
         if name not in self._place:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         group, offset = self._place[name]
+        self._demanded.add(group)
         future = self._futures[group] or self._hook.executor.submit(self._load, group)
         slab: Slab = future.result()
         self._remaining[group] -= 1
@@ -126,7 +128,7 @@ class RankfsFile:
         names = [name for name, _ in self._groups[group]]
         last_name, last_offset = self._groups[group][-1]
         slab = self._hook.pool.allocate(last_offset + self._resident_bytes(last_name), names, self.path,
-                                        wait=True)
+                                        may_wait=lambda: group not in self._demanded)
         view = slab.memoryview()
         low, high = None, 0
         for name, offset in self._groups[group]:

@@ -68,6 +68,9 @@ class Hook:
         path = os.fspath(filename)
         if framework not in ("pt", "torch") or str(device) != "cpu" or kwargs or not self.on_rankfs(path):
             return self.stock_open(filename, framework=framework, device=device, **kwargs)
+        path = own_rank_path(path)
+        if path is None:  # this rank has nothing in that shard
+            return EmptyFile()
         with self._lock:
             if self.start is None:
                 self.start = memory.snapshot()
@@ -123,6 +126,47 @@ class Hook:
             if phase == "target":
                 raise LeftoverSlabs(message)
         return figures
+
+
+def current_rank() -> int:
+    """This process's rank: RANKFS_RANK, else torch.distributed's, else 0 (the engine's main
+    process, which only reads config and headers)."""
+    if "RANKFS_RANK" in os.environ:
+        return int(os.environ["RANKFS_RANK"])
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def own_rank_path(path: str) -> str | None:
+    """A shard of the view shared by a mount's local ranks (MNT/target/X) is read from this rank's
+    own view (MNT/rank-R/target/X); None when this rank's view has no such shard."""
+    view_dir = os.path.dirname(os.path.abspath(path))
+    mount_root = os.path.dirname(view_dir)
+    if not os.path.isdir(os.path.join(mount_root, "rank-0")):
+        return path
+    own = os.path.join(mount_root, f"rank-{current_rank()}", os.path.basename(view_dir), os.path.basename(path))
+    return own if os.path.exists(own) else None
+
+
+class EmptyFile:
+    """safe_open's answer for a shard in which this rank keeps no tensor."""
+
+    def keys(self):
+        return []
+
+    def metadata(self):
+        return {}
+
+    def get_tensor(self, name):
+        raise KeyError(name)
+
+    get_slice = get_tensor
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 def _host_alloc_count():

@@ -76,10 +76,12 @@ class SlabPool:
         self._live: list[tuple[int, int, str, list[str]]] = []  # (storage weak ref, bytes, file, names)
         self._lock = threading.Lock()
 
-    def allocate(self, nbytes: int, names: list[str], file: str, wait: bool) -> Slab:
-        """A new slab; with wait, first wait (up to a minute) until the budget has room."""
+    def allocate(self, nbytes: int, names: list[str], file: str, may_wait=lambda: True) -> Slab:
+        """A new slab. A read ahead waits (up to a minute) until the budget has room, as long as
+        may_wait() holds: once the loader asks for one of its tensors it waits no more, since the
+        tensors that fill the budget may be the ones that loader holds."""
         deadline = time.monotonic() + 60
-        while wait and self._reap() + nbytes > self.budget_bytes and self.stats.live_bytes \
+        while self._reap() + nbytes > self.budget_bytes and self.stats.live_bytes and may_wait() \
                 and time.monotonic() < deadline:
             time.sleep(0.005)
         slab = Slab(nbytes, names, self.pin)

@@ -144,7 +144,7 @@ class Extent(NamedTuple):
 
     offset: int
     length: int
-    kind: str  # "header" | "fill" | "data"
+    kind: str  # "header" | "fill" | "data" | "shared" (a shard of the local ranks' shared view)
     source: int = -1
     source_offset: int = 0
     row_bytes: int = 0  # > 0: only bytes at (pos - offset) % row_bytes in [keep_start, keep_stop) are real
@@ -289,10 +289,7 @@ class View:
 
     @property
     def index(self) -> bytes:
-        weight_map = {name: f.name for f in self.files for name in f.tensor_names}
-        total = sum(f.data_bytes for f in self.files)
-        body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        return json.dumps(body).encode() + b"\n"  # no indent: the C encoder, 5x faster at 100k
+        return index_json([self])
 
     def summary(self) -> dict:
         return {
@@ -305,6 +302,15 @@ class View:
             # What the rank keeps from its largest file: the window a loader holds per open file.
             "largest_file_bytes": max((f.kept_bytes for f in self.files), default=0),
         }
+
+
+def index_json(views: list[View]) -> bytes:
+    """model.safetensors.index.json for one view, or for the union of several ranks' views (the
+    engines take only the file names from it, and SGLang probes one expert's dtype)."""
+    weight_map = {name: f.name for view in views for f in view.files for name in f.tensor_names}
+    total = max(sum(f.data_bytes for f in view.files) for view in views)
+    body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return json.dumps(body).encode() + b"\n"  # no indent: the C encoder, 5x faster at 100k
 
 
 @dataclass(frozen=True)

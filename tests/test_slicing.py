@@ -94,3 +94,23 @@ def test_hook_guard_names_the_tensor_a_misnarrowing_loader_touches(tiny_checkpoi
         del good
         figures = loader.release("target")
     assert figures["slabs_alive"] == 0
+
+
+def test_one_shared_view_serves_every_local_rank_through_the_hook(tiny_checkpoint, mount_dir, hook, monkeypatch):
+    """Every rank is started with MOUNTPOINT/target; the hook sends each to its own rank-R view.
+    Read without the hook, the shared view's shards refuse (EIO) rather than give another rank's bytes."""
+    import errno
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--ep-size", 2, "--local-ranks", "all"):
+        shared = mount_dir / "target"
+        with pytest.raises(OSError) as info:
+            next(shared.glob("*.safetensors")).read_bytes()
+        assert info.value.errno == errno.EIO
+        for rank in (0, 3):
+            monkeypatch.setenv("RANKFS_RANK", str(rank))
+            layout = engine_layout(4, 2, rank)
+            got = load_like_engine(shared, layout, tiny_checkpoint)
+            want = {n: t for n, t in load_like_engine(tiny_checkpoint, layout, tiny_checkpoint).items()
+                    if not n.startswith("mtp.")}
+            assert_same(got, want)
+            del got
+        loader.release("target")

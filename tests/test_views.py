@@ -74,7 +74,7 @@ def test_several_local_ranks_share_one_mount(tiny_checkpoint, mount_dir):
     names = set(original_tensors(tiny_checkpoint))
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--ep-size", 2, "--local-ranks", "all"):
         assert sorted(p.name for p in mount_dir.iterdir()) == [
-            ".rankfs", "rank-0", "rank-1", "rank-2", "rank-3"]
+            ".rankfs", "draft", "rank-0", "rank-1", "rank-2", "rank-3", "target"]
         for rank in range(4):
             check_view(mount_dir / f"rank-{rank}" / "target", tiny_checkpoint,
                        expected_view(names, SPEC.experts, SPEC.draft_experts, 2, rank // 2, "target"),

@@ -132,6 +132,11 @@ class RankFS(pyfuse3.Operations):
                     pieces.append(memoryview(served.memory)[lo:hi])
                 elif extent.kind == "fill":
                     pieces.append(self._fill.take(hi - lo))
+                elif extent.kind == "shared":
+                    log.error("%s: EIO: this is the view shared by the local ranks; load it through "
+                              "the rankfs hook (rankfs run), which sends each rank to its rank-R/ view",
+                              served.view)
+                    raise pyfuse3.FUSEError(errno.EIO)
                 else:
                     await self._read_data(served, extent, lo, hi, pieces)
         except BackingError as exc:

@@ -2,7 +2,9 @@
 
     MOUNTPOINT/target/           one rank: its views at the top
     MOUNTPOINT/draft/
-    MOUNTPOINT/rank-R/target/    several local ranks (--local-ranks): one directory per rank
+    MOUNTPOINT/rank-R/target/    several local ranks (--local-ranks): one directory per rank,
+    MOUNTPOINT/target/           and the shared view they are all started with: its shards are read
+                                 only through the hook, which sends each rank to its own directory
     MOUNTPOINT/.rankfs/status.json   live figures (read by `rankfs status`)
 
 Every regular file is a list of extents: in-memory bytes (headers, indexes), fill (outside slices)
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from plan.checkpoint import INDEX_NAME
-from plan.layout import Extent, RankLayout, View
+from plan.layout import Extent, RankLayout, View, index_json
 from reader.engine import ChunkRun, ReadEngine, Stream
 
 ROOT_INODE = 1
@@ -121,6 +123,11 @@ class Tree:
                 parent = self._add(f"rank-{layout.spec.tp_rank}", root.inode, now, children={})
             for view in layout.views:
                 self._add_view(parent, layout, view, engine, now)
+        if len(layouts) > 1:
+            for name in ("target", "draft"):
+                views = [v for layout in layouts for v in layout.views if v.name == name]
+                if views:
+                    self._add_shared_view(root, layouts[0], views, now)
 
     def _add(self, name: str, parent: int, mtime_ns: int, **kind) -> Node:
         inode = len(self.nodes) + ROOT_INODE
@@ -133,17 +140,36 @@ class Tree:
     def _add_view(self, parent: Node, layout: RankLayout, view, engine: ReadEngine, now: int):
         label = f"{parent.name + '/' if parent.inode != ROOT_INODE else ''}{view.name}"
         directory = self._add(view.name, parent.inode, now, children={})
+        self._add_plain_files(directory, label, layout, view)
+        self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, f"{label}/{INDEX_NAME}"))
+        lazy = LazyView(label, view, engine)
+        for position, vfile in enumerate(view.files):
+            self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,
+                      shard=(lazy, position))
+
+    def _add_plain_files(self, directory: Node, label: str, layout: RankLayout, view):
         for name, source_index in view.plain_files:
             source = layout.sources[source_index]
             extent = Extent(0, source.size, "data", source_index, 0, tensor=name, order=-1, on_demand=True)
             served = ServedFile(source.size, [extent], view=f"{label}/{name}")
             served.runs[0] = ChunkRun(extent)
             self._add(name, directory.inode, source.mtime_ns, file=served)
-        self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, f"{label}/{INDEX_NAME}"))
-        lazy = LazyView(label, view, engine)
-        for position, vfile in enumerate(view.files):
-            self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,
-                      shard=(lazy, position))
+
+    def _add_shared_view(self, root: Node, layout: RankLayout, views: list, now: int):
+        """The directory every local rank is started with: the union of their shard names and an
+        index to match. Its shards refuse reads (EIO): only the hook, which redirects each rank to
+        rank-R/, may load them; read directly they would give one rank another rank's bytes."""
+        name = views[0].name
+        directory = self._add(name, root.inode, now, children={})
+        self._add_plain_files(directory, name, layout, views[0])
+        self._add(INDEX_NAME, directory.inode, now, file=memory_file(index_json(views), f"{name}/{INDEX_NAME}"))
+        sizes: dict[str, int] = {}
+        for view in views:
+            for vfile in view.files:
+                sizes.setdefault(vfile.name, vfile.size)
+        for file_name, size in sorted(sizes.items()):
+            served = ServedFile(size, [Extent(0, size, "shared", tensor=file_name)], view=f"{name}/{file_name}")
+            self._add(file_name, directory.inode, now, file=served)
 
     def lookup(self, parent: int, name: str) -> Node | None:
         node = self.nodes.get(parent)
