@@ -15,7 +15,7 @@ import logging
 import mmap
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -19,7 +19,7 @@ import trio
 from mount import kernel
 from mount.config import MountConfig
 from plan.checkpoint import Checkpoint
-from plan.layout import RankLayout, RankSpec, plan_ranks
+from plan.layout import RankLayout, plan_ranks
 from reader.engine import ReadEngine
 from vfs.fs import RankFS
 from vfs.tree import Tree
@@ -68,8 +68,7 @@ class Daemon:
             "requests": self.ops.requests,
             "request_bytes": self.ops.request_bytes,
             "demand_loads": stats.demand_loads,
-            "buffers": {"created": self.engine._pool.created, "idle": len(self.engine._pool._idle),
-                        "retired": len(self.engine._pool._retired)},
+            "buffers": self.engine.buffer_stats(),
             "prefetch_loads": stats.prefetch_loads,
             "errors": stats.errors,
             "tuning": self.tuning,

@@ -230,6 +230,10 @@ class ReadEngine:
         if chunk.served >= chunk.length and chunk.buffer is not None:
             self._release(chunk)
 
+    def buffer_stats(self) -> dict:
+        return {"created": self._pool.created, "idle": len(self._pool._idle),
+                "awaiting_replies": len(self._pool._retired)}
+
     def drop(self):
         """Release every chunk in memory (after the load, or on request). A view read again after
         a drop (another engine, a restart) is prefetched from its start again."""
