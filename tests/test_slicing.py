@@ -114,3 +114,17 @@ def test_one_shared_view_serves_every_local_rank_through_the_hook(tiny_checkpoin
             assert_same(got, want)
             del got
         loader.release("target")
+
+
+def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_dir, hook):
+    """After release, MemAvailable is within 64 MiB of its baseline less the weights the loader kept."""
+    from loader.memory import meminfo
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 0.0625):
+        baseline = meminfo()["MemAvailable"]
+        params = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint)
+        kept = sum(p.numel() * p.element_size() for p in params.values())
+        figures = loader.release("target")
+        lost = baseline - meminfo()["MemAvailable"]
+        assert figures["slabs_alive"] == 0 and figures["slabs"] >= 1
+        assert lost < kept + 64 * (1 << 20), f"lost {lost >> 20} MiB with {kept >> 20} MiB of weights kept"
+        del params
