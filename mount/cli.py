@@ -126,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="only log the memory accounting; load the stock way")
     q.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
 
+    q = sub.add_parser("bench", help="benchmark rankfs against the stock path, peers and the disk",
+                       description="Same as python3 -m bench.run; 'rankfs bench -- --help' for its options.")
+    q.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- OPTIONS ...")
+
     q = sub.add_parser("demo", help="generate a fixture, mount a rank, load it with safetensors")
     q.add_argument("--workdir", default="/tmp/rankfs-demo")
     return p
@@ -434,6 +438,11 @@ def cmd_run(args) -> int:
         return 127
 
 
+def cmd_bench(args) -> int:
+    from bench.run import main as bench_main
+    return bench_main(args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
+
+
 def cmd_demo(args) -> int:
     from mount.demo import run_demo
     return run_demo(Path(args.workdir))
@@ -441,7 +450,7 @@ def cmd_demo(args) -> int:
 
 COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "drop": cmd_drop,
             "plan": cmd_plan, "profiles": cmd_profiles, "fixture": cmd_fixture, "demo": cmd_demo,
-            "run": cmd_run}
+            "run": cmd_run, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
