@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("mountpoint")
     q.add_argument("--lazy", "-l", action="store_true",
                    help="detach now even if files are still open or mapped")
+    q.add_argument("--force", action="store_true",
+                   help="for a hung daemon: abort its FUSE connection (waiting readers get an error), "
+                        "then detach")
 
     q = sub.add_parser("status", help="live figures of a mount")
     q.add_argument("mountpoint")
@@ -316,11 +319,16 @@ def _watch(mountpoint: str, until_loaded: bool) -> int:
 def cmd_umount(args) -> int:
     from mount import kernel
     mountpoint = os.path.abspath(args.mountpoint)
+    entry = kernel.find_mount(mountpoint)
+    if args.force and entry is not None and entry.fstype == kernel.FSTYPE:
+        kernel.abort(entry)  # before anything touches the mount: a hung daemon would hang us too
     state = kernel.health(mountpoint)
     if state in ("absent", "other"):
         print(f"rankfs: {mountpoint}: {'not mounted' if state == 'absent' else 'not a rankfs mount'}",
               file=sys.stderr)
         return EXIT_FAILURE
+    if args.force:
+        args.lazy = True
     pid = _read_status(mountpoint)["pid"] if state == "alive" else None
     result = kernel.unmount(mountpoint, lazy=args.lazy)
     if result.returncode != 0:

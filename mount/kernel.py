@@ -82,6 +82,11 @@ def tune(entry: MountEntry, readahead_kb: int, max_background: int, congestion_t
     return done
 
 
+def abort(entry: MountEntry) -> bool:
+    """End a hung connection (a daemon stuck or stopped): every waiting request fails with ENOTCONN."""
+    return _write(FUSECTL / entry.device.split(":")[1] / "abort", 1)
+
+
 def unmount(mountpoint: str | os.PathLike, lazy: bool = False) -> subprocess.CompletedProcess:
     """fusermount3 -u (works for the mounting user and root), else umount."""
     tool = shutil.which("fusermount3") or shutil.which("fusermount")

@@ -124,6 +124,25 @@ def test_killed_daemon_fails_the_loader_and_is_cleaned_up(tiny_checkpoint, mount
             kernel.unmount(mount_dir, lazy=True)
 
 
+def test_force_unmount_ends_a_stopped_daemon(tiny_checkpoint, mount_dir):
+    """A daemon that hangs (here: stopped) leaves readers waiting; --force aborts the connection."""
+    mount_dir.mkdir()
+    rankfs("mount", tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--log", mount_dir.parent / "log")
+    pid = json.loads((mount_dir / ".rankfs" / "status.json").read_text())["pid"]
+    shard = sorted((mount_dir / "target").glob("*.safetensors"))[0]
+    os.kill(pid, signal.SIGSTOP)
+    reader = subprocess.Popen(["cat", str(shard)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    assert reader.poll() is None  # waiting on the stopped daemon
+    try:
+        assert rankfs("umount", "--force", mount_dir).returncode == 0
+        assert reader.wait(timeout=30) != 0
+        assert kernel.find_mount(mount_dir) is None
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_unmount_while_mapped_offers_lazy(tiny_checkpoint, mount_dir):
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0):
         f = open(sorted((mount_dir / "target").glob("*.safetensors"))[0], "rb")
