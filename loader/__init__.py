@@ -58,9 +58,5 @@ def release(phase: str = "load") -> dict:
     return _hook.release(phase)
 
 
-def active_hook():
-    return _hook
-
-
 def _power_of_two(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)

@@ -16,7 +16,6 @@ import mmap
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -147,7 +146,6 @@ class Stats:
     demand_loads: int = 0
     prefetch_loads: int = 0
     errors: int = 0
-    started: float = field(default_factory=time.monotonic)
 
 
 class ReadEngine:
