@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.run import drop_caches
+from mount.session import ROOT, mounted
+
 
 
 def child(mode: str, directory: str, counts_from: str, layout: dict, device: str) -> dict:
@@ -97,24 +99,18 @@ def main() -> int:
         return 0
     ranks = [int(r) for r in args.local_ranks.split(",")] if args.local_ranks else [args.tp_rank]
     devices = [f"cuda:{i}" if args.device == "cuda" and len(ranks) > 1 else args.device for i in range(len(ranks))]
-    cli = [sys.executable, "-m", "mount.cli"]
-    Path(args.mountpoint).mkdir(parents=True, exist_ok=True)
-    rank_flags = ["--local-ranks", args.local_ranks] if args.local_ranks else ["--tp-rank", str(args.tp_rank)]
-    subprocess.run(cli + ["mount", args.checkpoint, args.mountpoint, "--tp-size", str(args.tp_size), "--ep-size",
-                          str(args.ep_size)] + rank_flags, check=True, cwd=ROOT)
-    # With several local ranks every rank is started with the same shared view, as an engine is.
-    view = str(Path(args.mountpoint) / "target")
+    rank_flags = ["--local-ranks", args.local_ranks] if args.local_ranks else ["--tp-rank", args.tp_rank]
     results = {}
-    try:
-        for mode, directory in (("stock", args.checkpoint), ("hook", view)):
-            subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"])
+    with mounted(args.checkpoint, args.mountpoint, "--tp-size", args.tp_size, "--ep-size", args.ep_size,
+                 *rank_flags) as mnt:
+        # With several local ranks every rank is started with the same shared view, as an engine is.
+        for mode, directory in (("stock", args.checkpoint), ("hook", str(mnt / "target"))):
+            drop_caches()
             procs = [subprocess.Popen(_child_command(args, rank, mode, directory, device), cwd=ROOT, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       env={**os.environ, "RANKFS_RANK": str(rank)})
                      for rank, device in zip(ranks, devices)]
             results[mode] = [_finish(proc) for proc in procs]
-    finally:
-        subprocess.run(cli + ["umount", args.mountpoint], cwd=ROOT)
     same = True
     for rank, stock, hook in zip(ranks, results["stock"], results["hook"]):
         equal = stock["digests"] == hook["digests"]

@@ -23,11 +23,10 @@ from pathlib import Path
 
 from fixture import deepseek_v4
 from loader.memory import meminfo
-from mount import kernel
+from mount.session import ROOT, mounted
 from plan.checkpoint import Checkpoint
 from plan.layout import RankSpec, plan_rank
 
-ROOT = Path(__file__).resolve().parent.parent
 CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), an EP1 rank (sliced)
     "ep2": (4, 0, 2),
     "ep1-sliced": (4, 1, 1),
@@ -107,20 +106,9 @@ class Bench:
                            "ep_size": spec.ep_size, "ep_rank": spec.ep_rank}}
 
     def mounted_run(self, label: str, spec: RankSpec, cold: bool, hook: bool = False) -> dict:
-        mountpoint = self.workdir / "mnt"
-        mountpoint.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "mount.cli", "mount", str(self.checkpoint), str(mountpoint),
-                        "--tp-size", str(spec.tp_size), "--tp-rank", str(spec.tp_rank), "--ep-size",
-                        str(spec.ep_size), "--log", str(self.workdir / "rankfs.log")], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            return self.measure(label, "engine", self.engine_args(mountpoint / "target", spec, hook), cold,
-                                mounted=mountpoint)
-        finally:
-            subprocess.run([sys.executable, "-m", "mount.cli", "umount", str(mountpoint)], cwd=ROOT,
-                           capture_output=True)
-            if kernel.find_mount(mountpoint):
-                kernel.unmount(mountpoint, lazy=True)
+        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size)
+        with mounted(self.checkpoint, self.workdir / "mnt", *flags, log=self.workdir / "rankfs.log") as mnt:
+            return self.measure(label, "engine", self.engine_args(mnt / "target", spec, hook), cold, mounted=mnt)
 
     def case(self, name: str) -> dict:
         tp_size, tp_rank, ep_size = CASES[name]

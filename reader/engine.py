@@ -282,14 +282,17 @@ class ReadEngine:
         while self.stats.held_bytes > self.budget and self._loaded:
             self._release(next(iter(self._loaded.values())))
 
+    def _unreserve(self, nbytes: int):
+        self.stats.held_bytes -= nbytes
+        self._budget_freed.set()  # wake a prefetcher waiting for room
+        self._budget_freed = trio.Event()
+
     def _release(self, chunk: Chunk):
         if self._loaded.pop(id(chunk), None) is not None:
             chunk.buffer = None
             self._pool.give(chunk.backing)
             chunk.backing = None
-            self.stats.held_bytes -= chunk.length
-            self._budget_freed.set()
-            self._budget_freed = trio.Event()
+            self._unreserve(chunk.length)
 
     async def _load(self, chunk: Chunk):
         """Read a chunk whose `loading` event is set, and wake whoever waits on it."""
@@ -305,7 +308,7 @@ class ReadEngine:
             self._loaded[id(chunk)] = chunk
         except Exception as exc:  # any failure: the readers get EIO, the daemon keeps serving
             self.stats.errors += 1
-            self.stats.held_bytes -= chunk.length
+            self._unreserve(chunk.length)
             chunk.error = str(exc)
             log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor,
                       exc_info=not isinstance(exc, OSError))
@@ -368,6 +371,16 @@ class ReadEngine:
         return buffer, data
 
 
+def overlapping(runs, starts: list[int], offset: int, end: int):
+    """The runs (sorted, adjacent, each with .end; `starts` their first offsets) overlapping
+    [offset, end)."""
+    i = max(0, bisect.bisect_right(starts, offset) - 1)
+    while i < len(runs) and starts[i] < end:
+        if runs[i].end > offset:
+            yield runs[i]
+        i += 1
+
+
 class ChunkRun:
     """The chunks of one data extent, found by offset."""
 
@@ -376,8 +389,4 @@ class ChunkRun:
         self._starts = [c.start for c in self.chunks]
 
     def overlapping(self, offset: int, end: int):
-        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        while i < len(self.chunks) and self.chunks[i].start < end:
-            if self.chunks[i].end > offset:
-                yield self.chunks[i]
-            i += 1
+        return overlapping(self.chunks, self._starts, offset, end)

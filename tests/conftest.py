@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fixture import deepseek_v4
-
-ROOT = Path(__file__).resolve().parent.parent
+from mount.session import ROOT, mounted, rankfs  # noqa: F401  (the tests import them from here)
 
 
 def pytest_sessionstart(session):
@@ -26,29 +21,6 @@ def pytest_sessionstart(session):
         problems.append("the tests must run as root (they mount and set kernel tunables)")
     if problems:
         pytest.exit("rankfs tests cannot run: " + "; ".join(problems), returncode=3)
-
-
-def rankfs(*args, check=True, timeout=120) -> subprocess.CompletedProcess:
-    """Run the command line exactly as a user would."""
-    result = subprocess.run([sys.executable, "-m", "mount.cli", *map(str, args)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"rankfs {' '.join(map(str, args))} exited {result.returncode}:\n"
-                             f"{result.stdout}{result.stderr}")
-    return result
-
-
-@contextlib.contextmanager
-def mounted(checkpoint, mountpoint, *flags):
-    mountpoint = Path(mountpoint)
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    rankfs("mount", checkpoint, mountpoint, "--log", mountpoint.parent / f"{mountpoint.name}.log", *flags)
-    try:
-        yield mountpoint
-    finally:
-        gc.collect()  # tensors mapped from the mount keep it busy
-        if rankfs("umount", mountpoint, check=False).returncode != 0:
-            rankfs("umount", "--lazy", mountpoint, check=False)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ or source bytes in chunks the read engine loads.
 
 from __future__ import annotations
 
-import bisect
 import stat
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from typing import Callable
 
 from plan.checkpoint import INDEX_NAME
 from plan.layout import Extent, RankLayout, View, index_json
-from reader.engine import ChunkRun, ReadEngine, Stream
+from reader.engine import ChunkRun, ReadEngine, Stream, overlapping
 
 ROOT_INODE = 1
 CONTROL_DIR = ".rankfs"
@@ -43,11 +42,7 @@ class ServedFile:
         self._starts = [e.offset for e in self.extents]
 
     def extents_at(self, offset: int, end: int):
-        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        while i < len(self.extents) and self.extents[i].offset < end:
-            if self.extents[i].end > offset:
-                yield self.extents[i]
-            i += 1
+        return overlapping(self.extents, self._starts, offset, end)
 
 
 class LazyView:
