@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--direct-io", action="store_true",
                    help="read the backing files with O_DIRECT (best on NVMe); default is buffered "
                         "reads whose page cache is dropped right after")
+    g.add_argument("--no-push", dest="push", action="store_false",
+                   help="answer every read on the FUSE thread instead of pushing read-ahead into "
+                        "the page cache from threads of its own (slower; for comparison)")
     g.add_argument("--readahead-mb", type=int, default=16, help="kernel readahead of the mount")
     g.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     g.add_argument("--foreground", "-f", action="store_true", help="stay attached; log to stderr")
@@ -190,7 +193,7 @@ def cmd_mount(args) -> int:
         checkpoint=os.path.abspath(args.checkpoint), mountpoint=mountpoint, specs=_specs(args),
         profile=args.profile,
         budget_bytes=int(args.inflight_gb * GIB) if args.inflight_gb else default_budget_bytes(),
-        workers=args.workers, direct_io=args.direct_io, readahead_kb=args.readahead_mb * 1024,
+        workers=args.workers, direct_io=args.direct_io, push=args.push, readahead_kb=args.readahead_mb * 1024,
         allow_other=args.allow_other, allow_outside_symlinks=args.allow_outside_symlinks,
         log_file=None if log_file == "-" else log_file)
     if args.foreground:
@@ -364,14 +367,18 @@ def cmd_drop(args) -> int:
     if problem:
         print(f"rankfs: {args.mountpoint}: {problem}", file=sys.stderr)
         return EXIT_FAILURE
-    os.kill(_read_status(args.mountpoint)["pid"], signal.SIGUSR1)
-    dropped = 0
-    for directory, _, files in os.walk(args.mountpoint):
-        for name in files:
-            with open(os.path.join(directory, name), "rb") as f:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                dropped += 1
-    print(f"rankfs: dropped the page cache of {dropped} files and the daemon's buffers")
+    before = _read_status(args.mountpoint)
+    os.kill(before["pid"], signal.SIGUSR1)
+    # Opening the views here would start their prefetch again: the daemon drops their page cache
+    # itself, and says so in its status.
+    deadline = time.monotonic() + 30
+    while _read_status(args.mountpoint).get("drops", 0) == before.get("drops", 0):
+        if time.monotonic() > deadline:
+            print(f"rankfs: {args.mountpoint}: the daemon did not confirm the drop within 30 s",
+                  file=sys.stderr)
+            return EXIT_FAILURE
+        time.sleep(0.05)
+    print("rankfs: dropped the views' page cache and the daemon's buffers")
     return EXIT_OK
 
 

@@ -21,6 +21,7 @@ class MountConfig:
     budget_bytes: int = 2 * GIB
     workers: int = 8
     direct_io: bool = False
+    push: bool = True
     readahead_kb: int = 16384
     max_background: int = 64
     congestion_threshold: int = 48

@@ -22,6 +22,7 @@ from plan.checkpoint import Checkpoint
 from plan.layout import RankLayout, plan_ranks
 from reader.engine import ReadEngine
 from vfs.fs import RankFS
+from vfs.push import push_prefetched
 from vfs.tree import Tree
 
 log = logging.getLogger("rankfs.daemon")
@@ -40,6 +41,7 @@ class Daemon:
         self.ops = RankFS(self.tree, self.engine)
         self._rate = (time.monotonic(), 0, 0.0)  # (when, bytes read then, bytes/s)
         self.tuning: dict = {}
+        self.drops = 0  # completed `rankfs drop`s: the command waits for this to move
 
     def status(self) -> dict:
         stats = self.engine.stats
@@ -70,7 +72,9 @@ class Daemon:
             "demand_loads": stats.demand_loads,
             "buffers": self.engine.buffer_stats(),
             "prefetch_loads": stats.prefetch_loads,
+            "pushed_bytes": stats.pushed_bytes,
             "errors": stats.errors,
+            "drops": self.drops,
             "tuning": self.tuning,
             "log_file": self.config.log_file,
         }
@@ -89,6 +93,8 @@ class Daemon:
     async def run(self, on_ready):
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
+            if self.config.push:
+                nursery.start_soon(push_prefetched, self.engine)
             nursery.start_soon(self._signals, nursery.cancel_scope)
             nursery.start_soon(self._after_start, on_ready)
             await pyfuse3.main(min_tasks=4, max_tasks=64)
@@ -108,6 +114,7 @@ class Daemon:
                 if signum == signal.SIGUSR1:
                     self.engine.drop()
                     await trio.to_thread.run_sync(self.invalidate_page_cache)
+                    self.drops += 1
                     log.info("dropped the read engine's buffers and the views' page cache")
                 else:
                     log.info("signal %s: unmounting", signal.Signals(signum).name)

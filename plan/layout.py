@@ -7,6 +7,7 @@ without FUSE; the filesystem only serves it.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -152,7 +153,16 @@ class Extent(NamedTuple):
     keep_stop: int = 0
     on_demand: bool = False
     tensor: str = ""  # first tensor in the run, for messages
-    order: int = 0  # position of its first tensor in the loaders' consumption order
+    # (offset, consumption position) of each tensor starting in the run: a run merged from tensors
+    # of different dtypes holds tensors the loaders read far apart
+    marks: tuple[tuple[int, int], ...] = ()
+
+    def order_of(self, offset: int, end: int) -> int:
+        """When the loaders first need bytes [offset, end) of the run: the earliest consumption
+        position of the tensors overlapping them."""
+        first = max(0, bisect.bisect_right(self.marks, (offset, math.inf)) - 1)
+        last = bisect.bisect_left(self.marks, (end, -1))
+        return min((order for _, order in self.marks[first:max(last, first + 1)]), default=-1)
 
     @property
     def end(self) -> int:
@@ -240,43 +250,43 @@ class VirtualFile:
 
     def extents(self) -> list[Extent]:
         """The file's bytes from start to end, adjacent source runs merged."""
-        out = [Extent(0, len(self.header), "header")]
         order = {name: i for i, name in enumerate(sorted(t.name for t in self.tensors))}
-        for t in self.tensors:
-            rank = self.first_order + order[t.name]
-            for extent in _tensor_extents(t, rank):
-                if extent.length:
-                    _append_merged(out, extent)
-        return out
+        pieces = [e for t in self.tensors for e in _tensor_extents(t, self.first_order + order[t.name])
+                  if e.length]
+        return [Extent(0, len(self.header), "header")] + _merged(pieces)
 
 
 def _tensor_extents(t: VirtualTensor, order: int) -> Iterator[Extent]:
-    data = dict(kind="data", source=t.source, on_demand=t.on_demand, tensor=t.name, order=order)
+    data = dict(kind="data", source=t.source, on_demand=t.on_demand, tensor=t.name)
     if t.slice is None:
-        yield Extent(t.offset, t.nbytes, source_offset=t.source_offset, **data)
+        yield Extent(t.offset, t.nbytes, source_offset=t.source_offset, marks=((t.offset, order),), **data)
         return
     row_bytes, keep_start, keep_stop = t.slice_geometry()
     if t.slice.dim == 0:
-        yield Extent(t.offset, keep_start, "fill", tensor=t.name, order=order)
-        yield Extent(t.offset + keep_start, keep_stop - keep_start,
-                     source_offset=t.source_offset + keep_start, **data)
-        yield Extent(t.offset + keep_stop, t.nbytes - keep_stop, "fill", tensor=t.name, order=order)
+        yield Extent(t.offset, keep_start, "fill", tensor=t.name)
+        yield Extent(t.offset + keep_start, keep_stop - keep_start, source_offset=t.source_offset + keep_start,
+                     marks=((t.offset + keep_start, order),), **data)
+        yield Extent(t.offset + keep_stop, t.nbytes - keep_stop, "fill", tensor=t.name)
     else:
         yield Extent(t.offset, t.nbytes, source_offset=t.source_offset, row_bytes=row_bytes,
-                     keep_start=keep_start, keep_stop=keep_stop, **data)
+                     keep_start=keep_start, keep_stop=keep_stop, marks=((t.offset, order),), **data)
 
 
-def _append_merged(out: list[Extent], e: Extent):
-    last = out[-1]
-    mergeable = (last.kind == e.kind == "data" and not last.row_bytes and not e.row_bytes
-                 and last.source == e.source and last.on_demand == e.on_demand
-                 and last.source_offset + last.length == e.source_offset)
-    if (mergeable or last.kind == e.kind == "fill") and last.end == e.offset:
-        out[-1] = Extent(last.offset, last.length + e.length, last.kind, last.source,
-                         last.source_offset, tensor=last.tensor, on_demand=last.on_demand,
-                         order=min(last.order, e.order))
-    else:
-        out.append(e)
+def _merged(extents: list[Extent]) -> list[Extent]:
+    """Adjacent fill, and adjacent data that is adjacent in the same source too, as single runs."""
+    runs: list[tuple[Extent, int, list]] = []  # (first, length so far, marks)
+    for e in extents:
+        if runs:
+            first, length, marks = runs[-1]
+            mergeable = (first.kind == e.kind == "data" and not first.row_bytes and not e.row_bytes
+                         and first.source == e.source and first.on_demand == e.on_demand
+                         and first.source_offset + length == e.source_offset)
+            if (mergeable or first.kind == e.kind == "fill") and first.offset + length == e.offset:
+                marks.extend(e.marks)
+                runs[-1] = (first, length + e.length, marks)
+                continue
+        runs.append((e, e.length, list(e.marks)))
+    return [first._replace(length=length, marks=tuple(marks)) for first, length, marks in runs]
 
 
 @dataclass(frozen=True)

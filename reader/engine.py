@@ -1,10 +1,16 @@
 """The backing I/O engine: large reads of the source shards in worker threads, ahead of demand, in
 the order the loaders consume the views, within a byte budget.
 
-The FUSE layer asks for a chunk's bytes with `await engine.get(chunk)`; everything about disks,
-threads, prefetch order and memory lives here. Chunks are anonymous memory maps: page-aligned for
-O_DIRECT, and returned to the kernel as soon as the last reference goes (no allocator arena keeps
-them).
+The FUSE layer asks for a chunk's bytes with `await engine.read(chunk, lo, hi)`; everything
+about disks, threads, prefetch order and memory lives here. Chunks are anonymous memory maps:
+page-aligned for O_DIRECT, and returned to the kernel as soon as the last reference goes (no allocator
+arena keeps them).
+
+Prefetched chunks well ahead of the loader are offered on `pushable` to whoever can put them into the
+kernel's page cache (the serving layer's pusher); a pushed chunk keeps only its edges, the bytes
+outside whole pages and its first page. That first page is left out on purpose: the loader's read of
+it is the signal that the chunk is being consumed, which is when its bytes stop counting against the
+budget.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import math
 import mmap
 import os
 import sys
@@ -29,6 +36,16 @@ log = logging.getLogger("rankfs.reader")
 PAGE = 4096
 DEFAULT_CHUNK_BYTES = 8 << 20
 ON_DEMAND_CHUNK_BYTES = 1 << 20
+# Chunks this close after the loader's furthest read are about to be read: they are answered from
+# their buffers, not pushed (a push would wait on the page locks of those reads).
+PUSH_GAP_CHUNKS = 4
+# A pushed chunk whose first page was never read (evicted, or skipped) stops counting against the
+# budget once the loader is this many chunks past it.
+PUSH_LAG_CHUNKS = 32
+MIN_PUSH_BYTES = 64 << 10
+# What reads the loader waits on may hold beyond the budget before prefetched chunks are evicted
+# for them: a few of them at a time, answered and released right away.
+DEMAND_SLACK = 64 << 20
 
 
 class BackingError(OSError):
@@ -37,44 +54,55 @@ class BackingError(OSError):
 
 class BufferPool:
     """Anonymous maps for chunks, reused: a fresh map costs a page fault per 4 KiB, which cuts
-    the read rate to a third. A buffer goes back to the pool only once no memoryview of it is left (a reply
-    still being written holds one), which its reference count tells. Idle buffers are few, so the
-    daemon's memory stays within the budget plus IDLE_MAX buffers."""
+    the read rate to a third. Sizes come in classes a quarter octave apart, so that chunks of any
+    size find an idle buffer at most a quarter larger than they need; the budget counts class sizes.
+    A buffer goes back to the pool only once no memoryview of it is left (a reply still being
+    written holds one), which its reference count tells. Idle buffers are kept while they and the
+    buffers in use fit in the budget plus IDLE_SLACK, which bounds the daemon's memory."""
 
-    IDLE_MAX = 8
+    IDLE_SLACK = 64 << 20
 
-    def __init__(self):
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
         self._idle: list[mmap.mmap] = []
         self._retired: list[mmap.mmap] = []
         self.created = 0
 
-    def reuse(self, nbytes: int) -> mmap.mmap | None:
-        """An idle buffer that fits without wasting more than a quarter (event-loop thread)."""
-        self._reclaim()
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        step = max(PAGE, 1 << max(0, nbytes.bit_length() - 3))
+        return -(-nbytes // step) * step
+
+    def take(self, nbytes: int, held_bytes: int) -> mmap.mmap | None:
+        """An idle buffer of nbytes' class, if there is one (event-loop thread)."""
+        self._reclaim(held_bytes)
+        size = self.size_class(nbytes)
         for i, buffer in enumerate(self._idle):
-            if nbytes <= len(buffer) <= nbytes + nbytes // 4 + PAGE:
+            if len(buffer) == size:
                 return self._idle.pop(i)
         return None
 
     def new(self, nbytes: int) -> mmap.mmap:
-        """A new buffer (worker thread: mmap releases the GIL while it populates the pages)."""
+        """A new buffer (worker thread: the pages fault in during the read, without the GIL; with
+        MAP_POPULATE CPython would fault them in holding it)."""
         self.created += 1
-        # No MAP_POPULATE: CPython maps with the GIL held, so the pages fault in during the read
-        # instead, in this worker thread, without it.
-        return mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)
+        return mmap.mmap(-1, self.size_class(nbytes))
 
     def give(self, buffer: mmap.mmap):
         self._retired.append(buffer)
 
-    def _reclaim(self):
+    def _reclaim(self, held_bytes: int):
         still_viewed = []
         for buffer in self._retired:
             # references: the list, the loop variable, getrefcount's argument
             if sys.getrefcount(buffer) > 3:
                 still_viewed.append(buffer)
-            elif len(self._idle) < self.IDLE_MAX:
+            else:
                 self._idle.append(buffer)
         self._retired = still_viewed
+        room = self.budget + self.IDLE_SLACK - held_bytes
+        while self._idle and sum(len(b) for b in self._idle) > room:
+            self._idle.pop(0)  # the oldest go back to the kernel
 
 
 class Chunk:
@@ -82,7 +110,7 @@ class Chunk:
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "buffer", "backing", "loading", "served", "prefetched",
-                 "stream_pos", "error")
+                 "stream_pos", "error", "file_id", "head", "tail", "file")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # virtual offset
@@ -92,19 +120,35 @@ class Chunk:
         self.row_bytes = extent.row_bytes  # chunks of masked extents hold whole rows
         self.keep_start, self.keep_stop = extent.keep_start, extent.keep_stop
         self.tensor = extent.tensor
-        self.order = extent.order
+        self.order = extent.order_of(start, start + length)
         self.on_demand = extent.on_demand
         self.buffer: memoryview | None = None
         self.backing: mmap.mmap | None = None  # the pool buffer `buffer` views
         self.loading: trio.Event | None = None
         self.served = 0
         self.prefetched = -1  # the prefetch pass that last read it
-        self.stream_pos = -1
+        self.stream_pos = -1  # position in its file's stream
+        self.file: FileStream | None = None
         self.error: str | None = None  # the last failed read's reason: served as EIO, never as data
+        self.file_id = 0  # the virtual file it belongs to (the serving layer's inode)
+        self.head = b""  # once pushed: the bytes before the pushed pages, and after them
+        self.tail = b""
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    def edge(self, lo: int, hi: int) -> memoryview | None:
+        """Bytes [lo, hi) from the edges a push left, if they hold them."""
+        if self.head and hi <= self.start + len(self.head):
+            return memoryview(self.head)[lo - self.start:hi - self.start]
+        if self.tail and lo >= self.end - len(self.tail):
+            return memoryview(self.tail)[lo - (self.end - len(self.tail)):hi - (self.end - len(self.tail))]
+        return None
+
+    def push_range(self) -> tuple[int, int]:
+        """The whole pages a push stores: all but the first page and the partial ones."""
+        return -(-self.start // PAGE) * PAGE + PAGE, self.end // PAGE * PAGE
 
     def read_span(self, direct_io: bool) -> int:
         """Bytes one read of it takes: O_DIRECT widens it to whole pages."""
@@ -124,17 +168,44 @@ def split_extent(extent: Extent, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list
 
 
 @dataclass
-class Stream:
-    """One view's chunks in the loaders' consumption order; prefetch walks it from `cursor`."""
+class FileStream:
+    """One virtual file's prefetchable chunks in the loaders' consumption order. Loaders read
+    several files at once (SGLang's iterator eight), each in its own order, so each file has its
+    own prefetch cursor and its own frontier: the furthest position the loader has read."""
 
-    name: str
+    view: "Stream"
     chunks: list[Chunk]
     cursor: int = 0
-    active: bool = False  # the view has been opened
+    frontier: int = -1
+    handles: int = 0  # open file handles
+    reading: bool = False  # read since it was opened: a loader is consuming it
+
+    def lead(self) -> int:
+        return self.cursor - self.frontier
+
+
+@dataclass
+class Stream:
+    """One view: its files in the order the loaders open them."""
+
+    name: str
+    files: list[FileStream] = field(default_factory=list)
+    active: bool = False  # a file of the view has been opened
     running: bool = False  # a prefetch pass is under way
     passes: int = 0
     planned_bytes: int = 0
     served_bytes: int = 0
+
+    def next_chunk(self) -> Chunk | None:
+        """What to prefetch next: in the open file the prefetcher is least ahead in, else in the
+        first file not read yet (loaders that open one file at a time)."""
+        being_read = [f for f in self.files if f.reading and f.cursor < len(f.chunks)]
+        candidates = being_read or [f for f in self.files if f.cursor < len(f.chunks)][:1]
+        if not candidates:
+            return None
+        file = min(candidates, key=FileStream.lead)
+        file.cursor += 1
+        return file.chunks[file.cursor - 1]
 
 
 @dataclass
@@ -145,6 +216,7 @@ class Stats:
     peak_held_bytes: int = 0
     demand_loads: int = 0
     prefetch_loads: int = 0
+    pushed_bytes: int = 0
     errors: int = 0
 
 
@@ -159,32 +231,43 @@ class ReadEngine:
         self._limiter = trio.CapacityLimiter(workers)
         self._fds: dict[int, int] = {}
         self._fds_lock = threading.Lock()
-        self._pool = BufferPool()
+        self._pool = BufferPool(budget_bytes)
         self._loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
         self._budget_freed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._pushable_send, self.pushable = trio.open_memory_channel(math.inf)
+        self._pushing = False
+        self.drops = 0  # a push begun before a drop must not leave its pages behind after it
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def add_stream(self, name: str, files_chunks: list[list[Chunk]]) -> Stream:
-        """Register a view: its files' chunks, files in the view's order."""
-        ordered = sorted((c for chunks in files_chunks for c in chunks), key=lambda c: c.order)
-        prefetchable = [c for c in ordered if not c.on_demand]
-        for pos, chunk in enumerate(prefetchable):
-            chunk.stream_pos = pos
-        stream = Stream(name, prefetchable, planned_bytes=sum(c.length for c in prefetchable))
+    def add_stream(self, name: str, files_chunks: list[list[Chunk]]) -> list[FileStream]:
+        """Register a view: its files' chunks, files in the view's order. Returns their streams."""
+        stream = Stream(name)
+        for chunks in files_chunks:
+            prefetchable = sorted((c for c in chunks if not c.on_demand), key=lambda c: c.order)
+            file = FileStream(stream, prefetchable)
+            for pos, chunk in enumerate(prefetchable):
+                chunk.stream_pos, chunk.file = pos, file
+            stream.files.append(file)
+            stream.planned_bytes += sum(c.length for c in prefetchable)
         self.streams[name] = stream
-        return stream
+        return stream.files
 
-    def activate(self, stream: Stream):
-        """Start prefetching a view (called when the loader first opens one of its files)."""
-        stream.active = True
-        if not stream.running and stream.cursor < len(stream.chunks):
-            self._start_pass(stream, stream.cursor)
+    def opened(self, file: FileStream):
+        file.handles += 1
 
-    def _start_pass(self, stream: Stream, position: int):
-        stream.running, stream.cursor, stream.passes = True, position, stream.passes + 1
-        self._nursery.start_soon(self._prefetch, stream)
+    def closed(self, file: FileStream):
+        file.handles -= 1
+        file.reading = file.reading and file.handles > 0
+
+    def _reading(self, file: FileStream):
+        """A loader reads a file: prefetch it (and the view's next files) from now on. Only reads
+        count: opening a file to drop its cache, or to look at it, starts nothing."""
+        file.reading = file.view.active = True
+        if not file.view.running:
+            file.view.running, file.view.passes = True, file.view.passes + 1
+            self._nursery.start_soon(self._prefetch, file.view)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED):
         """Own the prefetch tasks until cancelled."""
@@ -200,15 +283,25 @@ class ReadEngine:
 
     # -- serving --------------------------------------------------------------------------------
 
-    async def get(self, chunk: Chunk, stream: Stream | None) -> memoryview:
-        """The chunk's bytes: from memory, from a read in flight, or read now."""
+    async def read(self, chunk: Chunk, lo: int, hi: int) -> memoryview:
+        """Bytes [lo, hi) (file offsets) of the chunk: from memory, from a read in flight, or read now."""
+        file = chunk.file
+        if file is not None and not file.reading:
+            self._reading(file)
+        if file is not None and chunk.stream_pos > file.frontier:
+            file.frontier = chunk.stream_pos
+            self._retire_passed(file)
+        edge = chunk.edge(lo, hi) if chunk.buffer is None else None
+        if edge is not None:
+            return edge
         buffer = chunk.buffer
         while buffer is None:
             if chunk.loading is None:
                 self.stats.demand_loads += 1
-                if stream is not None and chunk.stream_pos >= 0:
-                    self._follow_demand(stream, chunk)
-                self._make_room(chunk.length)
+                if file is not None:
+                    self._follow_demand(file, chunk)
+                self._release(chunk)  # pushed, and its pages since evicted: read it anew
+                self._make_room(self._cost(chunk))
                 chunk.loading = trio.Event()
                 await self._load(chunk)
             else:
@@ -217,69 +310,114 @@ class ReadEngine:
                 raise BackingError(f"{chunk.error} (tensor {chunk.tensor})")
             # Another reader may have consumed and released it meanwhile: then read it again.
             buffer = chunk.buffer
-        return buffer
+        return buffer[lo - chunk.start:hi - chunk.start]
 
-    def served(self, chunk: Chunk, nbytes: int, stream: Stream | None):
+    def served(self, chunk: Chunk, nbytes: int):
         """Account bytes handed to the kernel; a chunk served whole is released."""
         chunk.served += nbytes
-        if stream is not None and not chunk.on_demand:
-            stream.served_bytes += nbytes
-        if chunk.served >= chunk.length and chunk.buffer is not None:
+        if chunk.file is not None:
+            chunk.file.view.served_bytes += nbytes
+        if chunk.served >= chunk.length:
+            self._release(chunk)
+
+    # -- pushing into the kernel's page cache ---------------------------------------------------
+
+    def enable_push(self):
+        """Offer prefetched chunks on `pushable` from now on."""
+        self._pushing = True
+
+    def push_range(self, chunk: Chunk) -> tuple[int, int] | None:
+        """What to push of an offered chunk now, or None: it was read meanwhile, the loader is about
+        to read it, or too little of it lies on whole pages."""
+        if chunk.buffer is None or chunk.served or chunk.stream_pos <= chunk.file.frontier + PUSH_GAP_CHUNKS:
+            return None
+        start, end = chunk.push_range()
+        return (start, end) if end - start >= MIN_PUSH_BYTES else None
+
+    def pushed(self, chunk: Chunk, start: int, end: int):
+        """[start, end) of the chunk is in the kernel's page cache: keep only the edges. The chunk
+        still counts against the budget until the loader reads its first page."""
+        if chunk.buffer is None:
+            return  # dropped while it was being pushed
+        a, b = start - chunk.start, end - chunk.start
+        chunk.head, chunk.tail = bytes(chunk.buffer[:a]), bytes(chunk.buffer[b:])
+        chunk.buffer = None
+        self._pool.give(chunk.backing)
+        chunk.backing = None
+        self.stats.pushed_bytes += end - start
+        self.served(chunk, end - start)
+
+    def _retire_passed(self, file: FileStream):
+        # Pushed chunks far behind the loader whose first page it never asked for (their pages were
+        # already cached, or evicted and skipped): no longer ahead of it, so no longer budgeted.
+        for chunk in [c for c in self._loaded.values()
+                      if c.buffer is None and c.file is file and c.stream_pos < file.frontier - PUSH_LAG_CHUNKS]:
             self._release(chunk)
 
     def buffer_stats(self) -> dict:
         return {"created": self._pool.created, "idle": len(self._pool._idle),
-                "awaiting_replies": len(self._pool._retired)}
+                "awaiting_replies": len(self._pool._retired),
+                "pushed_held": sum(1 for c in self._loaded.values() if c.buffer is None)}
 
     def drop(self):
         """Release every chunk in memory (after the load, or on request). A view read again after
         a drop (another engine, a restart) is prefetched from its start again."""
+        self.drops += 1
         for chunk in list(self._loaded.values()):
             self._release(chunk)
         for stream in self.streams.values():
-            stream.cursor = 0
-            for chunk in stream.chunks:
-                chunk.served = 0
+            stream.running, stream.passes = False, stream.passes + 1  # ends the pass under way
+            for file in stream.files:
+                file.cursor, file.frontier, file.reading = 0, -1, False
+                for chunk in file.chunks:
+                    chunk.served = 0
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _follow_demand(self, stream: Stream, chunk: Chunk):
+    def _follow_demand(self, file: FileStream, chunk: Chunk):
         # A loader far ahead of the prefetcher: skip to where it reads rather than fill the budget
         # with bytes it has passed.
-        window = max(1, self.budget // DEFAULT_CHUNK_BYTES)
-        if stream.running and chunk.stream_pos - stream.cursor > window:
-            stream.cursor = chunk.stream_pos + 1
+        window = max(1, self.budget // DEFAULT_CHUNK_BYTES // max(1, file.handles))
+        if chunk.stream_pos - file.cursor > window:
+            file.cursor = chunk.stream_pos + 1
 
     async def _prefetch(self, stream: Stream):
+        this_pass = stream.passes
         try:
-            await self._prefetch_pass(stream)
+            await self._prefetch_pass(stream, this_pass)
         finally:
-            stream.running = False
+            if stream.passes == this_pass:
+                stream.running = False
 
-    async def _prefetch_pass(self, stream: Stream):
-        while stream.cursor < len(stream.chunks):
-            chunk = stream.chunks[stream.cursor]
-            stream.cursor += 1
-            if chunk.buffer is not None or chunk.loading is not None or chunk.prefetched == stream.passes:
-                continue
-            while self.stats.held_bytes and self.stats.held_bytes + chunk.length > self.budget:
+    async def _prefetch_pass(self, stream: Stream, this_pass: int):
+        while stream.passes == this_pass:
+            while self.stats.held_bytes and self.stats.held_bytes + DEFAULT_CHUNK_BYTES > self.budget:
                 await self._budget_freed.wait()
-            if chunk.buffer is not None or chunk.loading is not None:
-                continue
+            chunk = stream.next_chunk() if stream.passes == this_pass else None
+            if chunk is None:
+                return
+            if (chunk.buffer is not None or chunk.loading is not None or chunk.served
+                    or chunk.prefetched == stream.passes):
+                continue  # in memory, being read, or already read by the loader
             chunk.prefetched = stream.passes
             self.stats.prefetch_loads += 1
-            self._reserve(chunk.length)
+            self._reserve(self._cost(chunk))
             chunk.loading = trio.Event()  # before the task starts: a demand read must wait for it
-            self._nursery.start_soon(self._load, chunk)
+            self._nursery.start_soon(self._load, chunk, True)
+
+    def _cost(self, chunk: Chunk) -> int:
+        """What a chunk in memory counts against the budget: its buffer's size."""
+        return self._pool.size_class(chunk.read_span(self.direct_io))
 
     def _reserve(self, nbytes: int):
         self.stats.held_bytes += nbytes
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.stats.held_bytes)
 
     def _make_room(self, nbytes: int):
-        """Demand reads may not wait for the budget: evict the oldest unconsumed chunks instead."""
+        """Demand reads may not wait for the budget. They may overdraw it by DEMAND_SLACK (they are
+        released once answered); past that the oldest unconsumed chunks are evicted."""
         self._reserve(nbytes)
-        while self.stats.held_bytes > self.budget and self._loaded:
+        while self.stats.held_bytes > self.budget + DEMAND_SLACK and self._loaded:
             self._release(next(iter(self._loaded.values())))
 
     def _unreserve(self, nbytes: int):
@@ -289,15 +427,18 @@ class ReadEngine:
 
     def _release(self, chunk: Chunk):
         if self._loaded.pop(id(chunk), None) is not None:
-            chunk.buffer = None
-            self._pool.give(chunk.backing)
-            chunk.backing = None
-            self._unreserve(chunk.length)
+            if chunk.backing is not None:
+                self._pool.give(chunk.backing)
+            chunk.buffer = chunk.backing = None
+            chunk.head = chunk.tail = b""
+            self._unreserve(self._cost(chunk))
 
-    async def _load(self, chunk: Chunk):
-        """Read a chunk whose `loading` event is set, and wake whoever waits on it."""
+    async def _load(self, chunk: Chunk, prefetched: bool = False):
+        """Read a chunk whose `loading` event is set, and wake whoever waits on it. A prefetched
+        chunk is then offered for pushing."""
+        drops = self.drops
         try:
-            reused = self._pool.reuse(chunk.read_span(self.direct_io))
+            reused = self._pool.take(chunk.read_span(self.direct_io), self.stats.held_bytes)
             chunk.backing, chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, reused,
                                                                         limiter=self._limiter)
             chunk.error = None
@@ -306,9 +447,11 @@ class ReadEngine:
             else:
                 self.stats.read_bytes[chunk.source] += chunk.length
             self._loaded[id(chunk)] = chunk
+            if prefetched and self._pushing and drops == self.drops:
+                self._pushable_send.send_nowait(chunk)
         except Exception as exc:  # any failure: the readers get EIO, the daemon keeps serving
             self.stats.errors += 1
-            self._unreserve(chunk.length)
+            self._unreserve(self._cost(chunk))
             chunk.error = str(exc)
             log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor,
                       exc_info=not isinstance(exc, OSError))

@@ -116,7 +116,7 @@ class RankFS(pyfuse3.Operations):
         # Generated files are snapshot at open and never cached; the rest stay cached across opens.
         served = memory_file(node.render()) if node.render else node.served()
         if served.stream is not None:
-            self.engine.activate(served.stream)
+            self.engine.opened(served.stream)
         fh, self._next_fh = self._next_fh, self._next_fh + 1
         self._handles[fh] = served
         return pyfuse3.FileInfo(fh=fh, direct_io=node.render is not None, keep_cache=node.render is None)
@@ -150,10 +150,11 @@ class RankFS(pyfuse3.Operations):
 
     async def _read_data(self, served: ServedFile, extent, lo: int, hi: int, pieces: list):
         for chunk in served.runs[extent.offset].overlapping(lo, hi):
-            data = await self.engine.get(chunk, served.stream)
-            a, b = max(lo, chunk.start) - chunk.start, min(hi, chunk.end) - chunk.start
-            pieces.append(data[a:b])
-            self.engine.served(chunk, b - a, served.stream)
+            a, b = max(lo, chunk.start), min(hi, chunk.end)
+            pieces.append(await self.engine.read(chunk, a, b))
+            self.engine.served(chunk, b - a)
 
     async def release(self, fh):
-        self._handles.pop(fh, None)
+        served = self._handles.pop(fh, None)
+        if served is not None and served.stream is not None:
+            self.engine.closed(served.stream)

@@ -20,7 +20,7 @@ from typing import Callable
 
 from plan.checkpoint import INDEX_NAME
 from plan.layout import Extent, RankLayout, View, index_json
-from reader.engine import ChunkRun, ReadEngine, Stream, overlapping
+from reader.engine import ChunkRun, FileStream, ReadEngine, overlapping
 
 ROOT_INODE = 1
 CONTROL_DIR = ".rankfs"
@@ -35,7 +35,7 @@ class ServedFile:
     extents: list[Extent]
     memory: bytes = b""  # the bytes of "header" extents (at the file's start)
     runs: dict[int, ChunkRun] = field(default_factory=dict)  # data extent offset -> its chunks
-    stream: Stream | None = None
+    stream: FileStream | None = None  # for virtual shards
     view: str = ""  # for messages: "target/model-00001-of-00048.safetensors"
 
     def __post_init__(self):
@@ -51,19 +51,23 @@ class LazyView:
 
     def __init__(self, label: str, view: View, engine: ReadEngine):
         self.label, self.view, self.engine = label, view, engine
+        self.inodes: list[int] = []  # of its files, by position
         self._served: list[ServedFile] | None = None
 
     def served(self, position: int) -> ServedFile:
         if self._served is None:
             self._served = []
-            for vfile in self.view.files:
+            for vfile, inode in zip(self.view.files, self.inodes):
                 extents = vfile.extents()
                 runs = {e.offset: ChunkRun(e) for e in extents if e.kind == "data"}
+                for run in runs.values():
+                    for chunk in run.chunks:
+                        chunk.file_id = inode
                 self._served.append(ServedFile(vfile.size, extents, vfile.header, runs,
                                                view=f"{self.label}/{vfile.name}"))
-            stream = self.engine.add_stream(self.label, [
+            streams = self.engine.add_stream(self.label, [
                 [c for run in served.runs.values() for c in run.chunks] for served in self._served])
-            for served in self._served:
+            for served, stream in zip(self._served, streams):
                 served.stream = stream
         return self._served[position]
 
@@ -139,13 +143,14 @@ class Tree:
         self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, f"{label}/{INDEX_NAME}"))
         lazy = LazyView(label, view, engine)
         for position, vfile in enumerate(view.files):
-            self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,
-                      shard=(lazy, position))
+            node = self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,
+                             shard=(lazy, position))
+            lazy.inodes.append(node.inode)
 
     def _add_plain_files(self, directory: Node, label: str, layout: RankLayout, view):
         for name, source_index in view.plain_files:
             source = layout.sources[source_index]
-            extent = Extent(0, source.size, "data", source_index, 0, tensor=name, order=-1, on_demand=True)
+            extent = Extent(0, source.size, "data", source_index, 0, tensor=name, on_demand=True)
             served = ServedFile(source.size, [extent], view=f"{label}/{name}")
             served.runs[0] = ChunkRun(extent)
             self._add(name, directory.inode, source.mtime_ns, file=served)

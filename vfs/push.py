@@ -1,0 +1,62 @@
+"""Pushing prefetched chunks into the kernel's page cache of their virtual files.
+
+Every FUSE reply is copied on the one event-loop thread. `notify_store` copies from threads of its
+own, so the loader then finds the bytes in page cache and reads them at the kernel's speed with no
+request at all. Only chunks the read engine offers are pushed: whole pages of a chunk well ahead of
+the loader, whose first page stays unpushed so that the loader's read of it tells the engine the chunk
+is being consumed.
+
+A push waits for the locks of pages a pending read holds; those reads are answered from the chunk's
+buffer, which the push never waits for, so the two cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+import pyfuse3
+import trio
+
+from reader.engine import ReadEngine
+
+log = logging.getLogger("rankfs.push")
+
+PUSH_THREADS = 2
+
+
+async def push_prefetched(engine: ReadEngine, threads: int = PUSH_THREADS):
+    """Push what the engine offers until cancelled, `threads` chunks at a time."""
+    engine.enable_push()
+    async with trio.open_nursery() as nursery:
+        for _ in range(threads):
+            nursery.start_soon(_push_offered, engine, engine.pushable.clone())
+
+
+async def _push_offered(engine: ReadEngine, offers: trio.MemoryReceiveChannel):
+    async for chunk in offers:
+        span = engine.push_range(chunk)
+        if span is None:
+            continue
+        start, end = span
+        data = chunk.buffer[start - chunk.start:end - chunk.start]
+        drops = engine.drops
+        # The thread may be left behind on cancellation: a push blocked on a page lock ends when the
+        # unmount aborts the reads holding it.
+        stored = await trio.to_thread.run_sync(_store, chunk.file_id, start, data, abandon_on_cancel=True)
+        del data
+        if drops != engine.drops:  # `rankfs drop` ran meanwhile: what this push stored must go too
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, chunk.file_id, False)
+        elif stored:
+            engine.pushed(chunk, start, end)
+
+
+def _store(inode: int, offset: int, data: memoryview) -> bool:
+    try:
+        pyfuse3.notify_store(inode, offset, data)
+        return True
+    except OSError as exc:
+        # ENOENT: the kernel has not looked the file up yet; the chunk is then served by reads.
+        if exc.errno != errno.ENOENT:
+            log.warning("push of %d bytes at %d into inode %d failed: %s", len(data), offset, inode, exc)
+        return False
