@@ -130,7 +130,7 @@ class RankfsFile:
         slab = self._hook.pool.allocate(last_offset + self._resident_bytes(last_name), names, self.path,
                                         may_wait=lambda: group not in self._demanded)
         view = slab.memoryview()
-        low, high = None, 0
+        read: list[list[int]] = []  # the file ranges read, adjacent ones merged
         for name, offset in self._groups[group]:
             entry = self._entries[name]
             begin = self._data_start + entry.begin
@@ -139,10 +139,14 @@ class RankfsFile:
                 self._read_slice(name, begin, target)
             else:
                 _pread_into(self._fd, target, begin, self.path, name)
-            low = begin if low is None else min(low, begin)
-            high = max(high, self._data_start + entry.end)
-        # The virtual file's pages are not needed twice: keep them out of MemAvailable's way.
-        os.posix_fadvise(self._fd, low, high - low, os.POSIX_FADV_DONTNEED)
+            if read and read[-1][1] == begin:
+                read[-1][1] = self._data_start + entry.end
+            else:
+                read.append([begin, self._data_start + entry.end])
+        # The virtual file's pages are not needed twice: keep them out of MemAvailable's way. Only
+        # the ranges read: between them lie other slabs' tensors, which the daemon may have pushed.
+        for begin, end in read:
+            os.posix_fadvise(self._fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
         return slab
 
     def _read_slice(self, name: str, begin: int, target: memoryview):

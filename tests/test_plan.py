@@ -33,6 +33,22 @@ def test_virtual_files_are_valid_safetensors_layouts(tiny_checkpoint):
                 assert sorted(parsed.tensors) == sorted(vfile.tensor_names)
 
 
+def test_runs_know_when_the_loaders_need_each_tensor(tiny_checkpoint):
+    """Runs merge tensors adjacent in the file, which the loaders read far apart (they go by sorted
+    name, the file by dtype first): a run's every tensor keeps its own consumption position, which
+    orders prefetch."""
+    checkpoint = Checkpoint.open(tiny_checkpoint)
+    for view in plan_rank(checkpoint, RankSpec(4, 1, 1)).views:
+        for vfile in view.files:
+            position = {name: vfile.first_order + i for i, name in enumerate(sorted(vfile.tensor_names))}
+            runs = [e for e in vfile.extents() if e.kind == "data"]
+            assert any(len(e.marks) > 1 for e in runs)
+            for t in vfile.tensors:
+                start = t.offset + (t.slice_geometry()[1] if t.slice and t.slice.dim == 0 else 0)
+                run = next(e for e in runs if e.offset <= start < e.end)
+                assert run.order_of(start, start + 1) == position[t.name]
+
+
 def test_layouts_are_data_that_compare(tiny_checkpoint):
     checkpoint = Checkpoint.open(tiny_checkpoint)
     a, b = plan_rank(checkpoint, RankSpec(4, 1, 2)), plan_rank(Checkpoint.open(tiny_checkpoint), RankSpec(4, 1, 2))
