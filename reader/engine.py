@@ -88,6 +88,10 @@ class BufferPool:
         self.created += 1
         return mmap.mmap(-1, self.size_class(nbytes))
 
+    def trim(self):
+        """Give the idle buffers back to the kernel (after a load)."""
+        self._idle.clear()
+
     def give(self, buffer: mmap.mmap):
         self._retired.append(buffer)
 
@@ -365,6 +369,7 @@ class ReadEngine:
         self.drops += 1
         for chunk in list(self._loaded.values()):
             self._release(chunk)
+        self._pool.trim()
         for stream in self.streams.values():
             stream.running, stream.passes = False, stream.passes + 1  # ends the pass under way
             for file in stream.files:
