@@ -1,7 +1,9 @@
 """What `safe_open` returns, through the hook, for a file on a rankfs view.
 
 The file's tensors (in the loaders' order: sorted names) are packed into slabs and read ahead by the
-hook's threads with large preads of the virtual file; `get_tensor` returns views into the slabs.
+hook's threads with large preads; `get_tensor` returns views into the slabs. The bytes are read
+where the mount says they lie in the source shards (`.rankfs/sources/`), so they do not pass through
+FUSE at all; where it cannot say, or the sources cannot be read here, from the virtual file.
 Sliced experts hold only their slice (read as one block, or as whole rows with the rank's columns
 copied out) behind a guarded full-shape stand-in. Row-store tables stay stock mmap tensors.
 """
@@ -34,17 +36,22 @@ BOUNCE_BYTES = 8 << 20
 def _pread_into(fd: int, view: memoryview, offset: int, path: str, name: str):
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{path}: tensor {name!r}: read at offset {offset + done} failed: "
+                                     f"{exc.strerror}") from None
         if n == 0:
-            raise OSError(f"{path}: tensor {name!r}: short read at offset {offset + done}")
+            raise OSError(f"{path}: tensor {name!r}: short read at offset {offset + done}; "
+                          "the file was truncated")
         done += n
 
 
 class RankfsFile:
     def __init__(self, path: str, hook, stock_open):
         self.path = path
-        self._hook, self._stock_open, self._stock = hook, stock_open, None
-        header = read_header(path)
+        self._hook, self._stock_open, self._stock = hook, stock_open, {}
+        header = read_header(path, direct=True)
         self._data_start = header.data_start
         self._entries = header.tensors
         self._metadata = header.metadata
@@ -52,6 +59,7 @@ class RankfsFile:
         self._slices = json.loads(meta.get(SLICES_METADATA_KEY, "{}"))
         self._on_demand = set(json.loads(meta.get(ON_DEMAND_METADATA_KEY, "[]")))
         self._fd = os.open(path, os.O_RDONLY)
+        self._backing = hook.backing(path)
         eager = [n for n in sorted(self._entries) if n not in self._on_demand]
         groups = pack([(n, self._resident_bytes(n)) for n in eager], hook.pool.slab_bytes)
         self._place = {name: (g, offset) for g, group in enumerate(groups) for name, offset in group}
@@ -69,11 +77,11 @@ class RankfsFile:
         return self._metadata
 
     def get_slice(self, name):
-        return self._stock_handle().get_slice(name)
+        return self._stock_handle(name).get_slice(name)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         if name in self._on_demand:
-            return self._stock_handle().get_tensor(name)
+            return self._stock_handle(name).get_tensor(name)
         if name not in self._place:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         group, offset = self._place[name]
@@ -110,10 +118,13 @@ class RankfsFile:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _stock_handle(self):
-        if self._stock is None:
-            self._stock = self._stock_open(self.path, framework="pt")
-        return self._stock
+    def _stock_handle(self, name: str):
+        """The stock reader for what the hook leaves to it (row-store tables): on the tensor's
+        source shard, where it lies under the same name, when the mount says which."""
+        path = self._backing[name][2] if self._backing is not None and name in self._backing else self.path
+        if path not in self._stock:
+            self._stock[path] = self._stock_open(path, framework="pt")
+        return self._stock[path]
 
     def _resident_bytes(self, name: str) -> int:
         entry = self._entries[name]
@@ -130,32 +141,40 @@ class RankfsFile:
         slab = self._hook.pool.allocate(last_offset + self._resident_bytes(last_name), names, self.path,
                                         may_wait=lambda: group not in self._demanded)
         view = slab.memoryview()
-        read: list[list[int]] = []  # the file ranges read, adjacent ones merged
+        read: list[list[int]] = []  # (fd, start, end) of the ranges read, adjacent ones merged
         for name, offset in self._groups[group]:
             entry = self._entries[name]
-            begin = self._data_start + entry.begin
+            fd, begin, where = self._locate(name)
             target = view[offset:offset + self._resident_bytes(name)]
             if name in self._slices:
-                self._read_slice(name, begin, target)
+                self._read_slice(name, fd, begin, where, target)
             else:
-                _pread_into(self._fd, target, begin, self.path, name)
-            if read and read[-1][1] == begin:
-                read[-1][1] = self._data_start + entry.end
+                _pread_into(fd, target, begin, where, name)
+            end = begin + entry.end - entry.begin
+            if read and read[-1][0] == fd and read[-1][2] == begin:
+                read[-1][2] = end
             else:
-                read.append([begin, self._data_start + entry.end])
-        # The virtual file's pages are not needed twice: keep them out of MemAvailable's way. Only
-        # the ranges read: between them lie other slabs' tensors, which the daemon may have pushed.
-        for begin, end in read:
-            os.posix_fadvise(self._fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
+                read.append([fd, begin, end])
+        # The pages are not needed twice: keep them out of MemAvailable's way. Only the ranges read:
+        # between them lie other slabs' tensors (which the daemon may have pushed, for a view).
+        for fd, begin, end in read:
+            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
         return slab
 
-    def _read_slice(self, name: str, begin: int, target: memoryview):
+    def _locate(self, name: str) -> tuple[int, int, str]:
+        """(fd, offset of the tensor's first byte, file name for messages): in its source shard
+        when the mount says where, else in the view."""
+        if self._backing is not None:
+            return self._backing[name]
+        return self._fd, self._data_start + self._entries[name].begin, self.path
+
+    def _read_slice(self, name: str, fd: int, begin: int, where: str, target: memoryview):
         entry = self._entries[name]
         dim, start, stop = self._slices[name]
         inner = DTYPE_SIZES[entry.dtype] * math.prod(entry.shape[dim + 1:])
         row_bytes, keep_start, keep_stop = inner * entry.shape[dim], inner * start, inner * stop
         if dim == 0:  # one contiguous block
-            _pread_into(self._fd, target, begin + keep_start, self.path, name)
+            _pread_into(fd, target, begin + keep_start, where, name)
             return
         # Every row holds kept bytes: read whole rows through a bounded buffer, copy the columns.
         rows = (entry.end - entry.begin) // row_bytes
@@ -165,6 +184,6 @@ class RankfsFile:
         for first in range(0, rows, per_read):
             count = min(per_read, rows - first)
             chunk = memoryview(bounce)[:count * row_bytes]
-            _pread_into(self._fd, chunk, begin + first * row_bytes, self.path, name)
+            _pread_into(fd, chunk, begin + first * row_bytes, where, name)
             out[first:first + count] = np.frombuffer(chunk, np.uint8).reshape(count, row_bytes)[
                 :, keep_start:keep_stop]

@@ -9,6 +9,7 @@ RANKFS_HOOK_INFLIGHT_GB (4), RANKFS_HOOK_THREADS (16).
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import sys
@@ -19,6 +20,8 @@ import safetensors
 import torch
 
 from loader import memory
+from mount import control
+from vfs.tree import sources_file
 from loader.files import RankfsFile
 from loader.slabs import SlabPool
 
@@ -54,6 +57,8 @@ class Hook:
         self.releases: list[dict] = []
         self._devices: set[int] | None = None
         self._lock = threading.Lock()
+        self._maps: dict[str, dict] = {}  # map file -> where a view's tensors lie in the sources
+        self._source_fds: dict[str, int] = {}
 
     def on_rankfs(self, path) -> bool:
         try:
@@ -82,6 +87,47 @@ class Hook:
             self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix="rankfs-read")
         return RankfsFile(path, self, self.stock_open)
 
+    def backing(self, path: str) -> dict[str, tuple[int, int, str]] | None:
+        """Where a view file's tensors lie in the source shards, opened: {tensor: (fd, offset,
+        source path)}. None when the mount does not say, or a source cannot be read here or has
+        changed since it was mounted: then the hook reads the view (and the daemon reports it)."""
+        mountpoint = control.mount_root(path)
+        map_file = os.path.join(mountpoint, sources_file(os.path.relpath(os.path.dirname(path), mountpoint)))
+        try:
+            mapping = self._maps.get(map_file)
+            if mapping is None:
+                with open(map_file) as f:
+                    mapping = self._maps[map_file] = json.load(f)
+            fds = [self._source_fd(source) for source in mapping["sources"]]
+        except OSError as exc:
+            log.info("rankfs hook: %s: reading through the mount: %s", path, exc)
+            return None
+        paths = [source["path"] for source in mapping["sources"]]
+        return {name: (fds[i], offset, paths[i])
+                for name, (i, offset) in mapping["files"][os.path.basename(path)].items()}
+
+    def _source_fd(self, source: dict) -> int:
+        with self._lock:
+            fd = self._source_fds.get(source["path"])
+            if fd is None:
+                fd = os.open(source["path"], os.O_RDONLY)
+                st = os.fstat(fd)
+                if (st.st_size, st.st_mtime_ns, st.st_ino) != (source["size"], source["mtime_ns"], source["inode"]):
+                    os.close(fd)
+                    raise OSError(f"{source['path']}: changed since it was mounted")
+                self._source_fds[source["path"]] = fd
+            return fd
+
+    def _drop_daemons(self):
+        """The daemons of the mounts loaded from release their buffers and drop what they pushed
+        into page cache. Not for a mount several local ranks share: the others may still load."""
+        for mountpoint in {control.mount_root(path) for path in self.paths}:
+            try:
+                if len(control.read_status(mountpoint)["ranks"]) == 1:
+                    control.drop(mountpoint, timeout=10)
+            except OSError as exc:  # unmounted already, or not ours to signal
+                log.info("rankfs hook: %s: daemon not asked to drop: %s", mountpoint, exc)
+
     def release(self, phase: str = "load") -> dict:
         """Stop the readers, free what the load held, drop the views' page cache, and report."""
         before = memory.snapshot()
@@ -99,6 +145,12 @@ class Hook:
                 os.close(fd)
             except OSError:
                 pass  # unmounted already: nothing cached
+        self._drop_daemons()
+        with self._lock:
+            for fd in self._source_fds.values():
+                os.close(fd)
+            self._source_fds.clear()
+            self._maps.clear()
         after = memory.snapshot()
         start = self.start or before
         stats = self.pool.stats

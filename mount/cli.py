@@ -248,10 +248,9 @@ def cmd_serve(payload: str, ready_fd: str) -> int:
     return serve(config, int(ready_fd))
 
 
-def _read_status(mountpoint: str) -> dict:
-    from vfs.tree import CONTROL_DIR, STATUS_FILE
-    with open(os.path.join(mountpoint, CONTROL_DIR, STATUS_FILE)) as f:
-        return json.load(f)
+def _status(mountpoint: str) -> dict:
+    from mount import control
+    return control.read_status(mountpoint)
 
 
 def _check_alive(mountpoint: str) -> str | None:
@@ -270,7 +269,7 @@ def cmd_status(args) -> int:
         return EXIT_FAILURE
     if args.watch:
         return _watch(args.mountpoint, until_loaded=False)
-    status = _read_status(args.mountpoint)
+    status = _status(args.mountpoint)
     if args.json:
         print(json.dumps(status, indent=2))
         return EXIT_OK
@@ -307,7 +306,7 @@ def _watch(mountpoint: str, until_loaded: bool) -> int:
             if problem:
                 print(f"\nrankfs: {mountpoint}: {problem}", file=sys.stderr)
                 return EXIT_FAILURE
-            status = _read_status(mountpoint)
+            status = _status(mountpoint)
             text = _format_status(status)
             sys.stdout.write("\x1b[2J\x1b[H" + text + "\n" if sys.stdout.isatty() else text + "\n")
             sys.stdout.flush()
@@ -332,7 +331,7 @@ def cmd_umount(args) -> int:
         return EXIT_FAILURE
     if args.force:
         args.lazy = True
-    pid = _read_status(mountpoint)["pid"] if state == "alive" else None
+    pid = _status(mountpoint)["pid"] if state == "alive" else None
     result = kernel.unmount(mountpoint, lazy=args.lazy)
     if result.returncode != 0:
         message = (result.stderr or result.stdout).strip()
@@ -367,17 +366,12 @@ def cmd_drop(args) -> int:
     if problem:
         print(f"rankfs: {args.mountpoint}: {problem}", file=sys.stderr)
         return EXIT_FAILURE
-    before = _read_status(args.mountpoint)
-    os.kill(before["pid"], signal.SIGUSR1)
-    # Opening the views here would start their prefetch again: the daemon drops their page cache
-    # itself, and says so in its status.
-    deadline = time.monotonic() + 30
-    while _read_status(args.mountpoint).get("drops", 0) == before.get("drops", 0):
-        if time.monotonic() > deadline:
-            print(f"rankfs: {args.mountpoint}: the daemon did not confirm the drop within 30 s",
-                  file=sys.stderr)
-            return EXIT_FAILURE
-        time.sleep(0.05)
+    try:
+        from mount import control
+        control.drop(args.mountpoint)
+    except OSError as exc:
+        print(f"rankfs: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     print("rankfs: dropped the views' page cache and the daemon's buffers")
     return EXIT_OK
 

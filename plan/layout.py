@@ -323,6 +323,21 @@ def index_json(views: list[View]) -> bytes:
     return json.dumps(body).encode() + b"\n"  # no indent: the C encoder, 5x faster at 100k
 
 
+def source_map(view: View, sources: tuple[SourceFile, ...]) -> bytes:
+    """Where each tensor of the view's shards lies in the source files, as JSON: what the engine hook
+    reads directly instead of through the mount. A tensor's bytes (its slice included) sit at the same
+    place relative to its start in both files."""
+    used = sorted({f.source for f in view.files})
+    position = {index: i for i, index in enumerate(used)}
+    body = {
+        "sources": [{"path": str(sources[i].path), "size": sources[i].size, "mtime_ns": sources[i].mtime_ns,
+                     "inode": sources[i].inode} for i in used],
+        "files": {f.name: {t.name: [position[t.source], t.source_offset] for t in f.tensors}
+                  for f in view.files},
+    }
+    return json.dumps(body).encode() + b"\n"
+
+
 @dataclass(frozen=True)
 class RankLayout:
     spec: RankSpec

@@ -123,12 +123,28 @@ def parse_header(path, header: bytes, file_size: int, mtime_ns: int = 0, inode: 
                        {e.name: e for e in entries}, metadata)
 
 
-def read_header(path: str | os.PathLike) -> ShardHeader:
-    """Read and validate one shard's header; never reads tensor data."""
+def _pread_full(fd: int, length: int, offset: int) -> bytes:
+    parts = []
+    while length > 0:
+        part = os.pread(fd, length, offset)
+        if not part:
+            break
+        parts.append(part)
+        length, offset = length - len(part), offset + len(part)
+    return b"".join(parts)
+
+
+def read_header(path: str | os.PathLike, direct: bool = False) -> ShardHeader:
+    """Read and validate one shard's header; never reads tensor data. `direct`: with O_DIRECT, for a
+    file on a rankfs view, where even a page-cache read of the header would fetch a megabyte of
+    tensor data around it and start the daemon's prefetch."""
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            prefix = f.read(8)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            st = os.fstat(fd)
+            if not direct:  # no readahead of tensor data
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            prefix = _pread_full(fd, 8, 0)
             if len(prefix) < 8:
                 raise HeaderError(path, f"file is {len(prefix)} bytes, too short for a header length")
             (length,) = struct.unpack("<Q", prefix)
@@ -138,7 +154,9 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
             if 8 + length > st.st_size:
                 raise HeaderError(path, f"header length {length} runs past the end of the file "
                                         f"({st.st_size} bytes)")
-            header = f.read(length)
+            header = _pread_full(fd, length, 8)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise HeaderError(path, f"cannot read: {exc.strerror or exc}") from None
     if len(header) != length:

@@ -117,14 +117,18 @@ def test_one_shared_view_serves_every_local_rank_through_the_hook(tiny_checkpoin
 
 
 def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_dir, hook):
-    """After release, MemAvailable is within 64 MiB of its baseline less the weights the loader kept."""
+    """After release, MemAvailable is within 64 MiB of its baseline less the weights the loader kept,
+    and the daemon has dropped its buffers and what it pushed into page cache."""
     from loader.memory import meminfo
+    from mount.control import read_status
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 0.0625):
         baseline = meminfo()["MemAvailable"]
         params = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint)
         kept = sum(p.numel() * p.element_size() for p in params.values())
         figures = loader.release("target")
         lost = baseline - meminfo()["MemAvailable"]
+        status = read_status(str(mount_dir))
+        assert status["drops"] == 1 and status["held_bytes"] == 0 and status["buffers"]["idle"] == 0
         assert figures["slabs_alive"] == 0 and figures["slabs"] >= 1
         assert lost < kept + 64 * (1 << 20), f"lost {lost >> 20} MiB with {kept >> 20} MiB of weights kept"
         del params

@@ -6,6 +6,8 @@
     MOUNTPOINT/target/           and the shared view they are all started with: its shards are read
                                  only through the hook, which sends each rank to its own directory
     MOUNTPOINT/.rankfs/status.json   live figures (read by `rankfs status`)
+    MOUNTPOINT/.rankfs/sources/VIEW.json   where each view tensor lies in the sources (for the hook;
+                                 VIEW is the view's directory, '/' written as '.')
 
 Every regular file is a list of extents: in-memory bytes (headers, indexes), fill (outside slices)
 or source bytes in chunks the read engine loads.
@@ -13,18 +15,25 @@ or source bytes in chunks the read engine loads.
 
 from __future__ import annotations
 
+import functools
 import stat
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from plan.checkpoint import INDEX_NAME
-from plan.layout import Extent, RankLayout, View, index_json
+from plan.layout import Extent, RankLayout, View, index_json, source_map
 from reader.engine import ChunkRun, FileStream, ReadEngine, overlapping
 
 ROOT_INODE = 1
 CONTROL_DIR = ".rankfs"
 STATUS_FILE = "status.json"
+SOURCES_DIR = "sources"
+
+
+def sources_file(view_dir: str) -> str:
+    """The control file that maps a view directory's tensors to the sources."""
+    return f"{CONTROL_DIR}/{SOURCES_DIR}/{view_dir.replace('/', '.')}.json"
 
 
 @dataclass
@@ -116,6 +125,7 @@ class Tree:
         root = self._add("", ROOT_INODE, now, children={})
         control = self._add(CONTROL_DIR, root.inode, now, children={})
         self._add(STATUS_FILE, control.inode, now, render=render_status)
+        self._sources = self._add(SOURCES_DIR, control.inode, now, children={})
         for layout in layouts:
             parent = root
             if len(layouts) > 1:
@@ -142,6 +152,8 @@ class Tree:
         self._add_plain_files(directory, label, layout, view)
         self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, f"{label}/{INDEX_NAME}"))
         lazy = LazyView(label, view, engine)
+        mapping = functools.cache(lambda: source_map(view, layout.sources))
+        self._add(sources_file(label).rsplit("/", 1)[1], self._sources.inode, now, render=mapping)
         for position, vfile in enumerate(view.files):
             node = self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,
                              shard=(lazy, position))
