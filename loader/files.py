@@ -47,6 +47,40 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: str, name: str):
         done += n
 
 
+IOV_MAX = 1024
+RUN_BYTES = 64 << 20
+
+
+def _runs(blocks: list, limit: bool = True):
+    """Blocks (sorted by fd and offset) in runs adjacent in the file: at most IOV_MAX blocks and
+    about RUN_BYTES each when `limit`, for one preadv."""
+    run: list = []
+    for block in blocks:
+        fd, offset, target = block[0], block[1], block[2]
+        if run and (run[-1][0] != fd or run[-1][1] + len(run[-1][2]) != offset
+                    or limit and (len(run) == IOV_MAX or offset - run[0][1] >= RUN_BYTES)):
+            yield run
+            run = []
+        run.append(block)
+    if run:
+        yield run
+
+
+def _read_run(run: list):
+    fd, offset = run[0][0], run[0][1]
+    try:
+        done = os.preadv(fd, [block[2] for block in run], offset)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{run[0][3]}: tensor {run[0][4]!r}: read at offset {offset} failed: "
+                                 f"{exc.strerror}") from None
+    for _, begin, target, where, name in run:  # what a short read left, piece by piece
+        if done >= len(target):
+            done -= len(target)
+            continue
+        _pread_into(fd, target[done:], begin + done, where, name)
+        done = 0
+
+
 class RankfsFile:
     def __init__(self, path: str, hook, stock_open):
         self.path = path
@@ -135,30 +169,30 @@ class RankfsFile:
         return nbytes // entry.shape[dim] * (stop - start)
 
     def _load(self, group: int) -> Slab:
-        """Runs in a hook thread: fill one slab with large reads of the virtual file."""
+        """Runs in a hook thread: fill one slab. Tensors whose bytes are adjacent in the file are read
+        together, in file order, with one scattering preadv each run."""
         names = [name for name, _ in self._groups[group]]
         last_name, last_offset = self._groups[group][-1]
         slab = self._hook.pool.allocate(last_offset + self._resident_bytes(last_name), names, self.path,
                                         may_wait=lambda: group not in self._demanded)
         view = slab.memoryview()
-        read: list[list[int]] = []  # (fd, start, end) of the ranges read, adjacent ones merged
+        blocks = []  # (fd, file offset, slab view, file name, tensor): contiguous pieces to read
         for name, offset in self._groups[group]:
-            entry = self._entries[name]
             fd, begin, where = self._locate(name)
             target = view[offset:offset + self._resident_bytes(name)]
-            if name in self._slices:
-                self._read_slice(name, fd, begin, where, target)
+            block = self._block(name, begin)
+            if block is None:
+                self._read_rows(name, fd, begin, where, target)
             else:
-                _pread_into(fd, target, begin, where, name)
-            end = begin + entry.end - entry.begin
-            if read and read[-1][0] == fd and read[-1][2] == begin:
-                read[-1][2] = end
-            else:
-                read.append([fd, begin, end])
+                blocks.append((fd, block, target, where, name))
+        blocks.sort(key=lambda b: (b[0], b[1]))
+        for run in _runs(blocks):
+            _read_run(run)
         # The pages are not needed twice: keep them out of MemAvailable's way. Only the ranges read:
         # between them lie other slabs' tensors (which the daemon may have pushed, for a view).
-        for fd, begin, end in read:
-            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
+        for run in _runs(blocks, limit=False):
+            fd, begin = run[0][0], run[0][1]
+            os.posix_fadvise(fd, begin, run[-1][1] + len(run[-1][2]) - begin, os.POSIX_FADV_DONTNEED)
         return slab
 
     def _locate(self, name: str) -> tuple[int, int, str]:
@@ -168,14 +202,22 @@ class RankfsFile:
             return self._backing[name]
         return self._fd, self._data_start + self._entries[name].begin, self.path
 
-    def _read_slice(self, name: str, fd: int, begin: int, where: str, target: memoryview):
+    def _block(self, name: str, begin: int) -> int | None:
+        """Where the tensor's resident bytes start in the file, when they are one block: whole
+        tensors and row slices. None for column slices, read row by row."""
+        if name not in self._slices:
+            return begin
+        entry = self._entries[name]
+        dim, start, _ = self._slices[name]
+        if dim != 0:
+            return None
+        return begin + DTYPE_SIZES[entry.dtype] * math.prod(entry.shape[1:]) * start
+
+    def _read_rows(self, name: str, fd: int, begin: int, where: str, target: memoryview):
         entry = self._entries[name]
         dim, start, stop = self._slices[name]
         inner = DTYPE_SIZES[entry.dtype] * math.prod(entry.shape[dim + 1:])
         row_bytes, keep_start, keep_stop = inner * entry.shape[dim], inner * start, inner * stop
-        if dim == 0:  # one contiguous block
-            _pread_into(fd, target, begin + keep_start, where, name)
-            return
         # Every row holds kept bytes: read whole rows through a bounded buffer, copy the columns.
         rows = (entry.end - entry.begin) // row_bytes
         per_read = max(1, BOUNCE_BYTES // row_bytes)
@@ -187,3 +229,4 @@ class RankfsFile:
             _pread_into(fd, chunk, begin + first * row_bytes, where, name)
             out[first:first + count] = np.frombuffer(chunk, np.uint8).reshape(count, row_bytes)[
                 :, keep_start:keep_stop]
+        os.posix_fadvise(fd, begin, rows * row_bytes, os.POSIX_FADV_DONTNEED)

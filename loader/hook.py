@@ -136,6 +136,7 @@ class Hook:
             self.executor = None
         gc.collect()
         leftovers = self.pool.alive()
+        self.pool.drop_idle()
         memory.malloc_trim()
         memory.return_pinned_and_cached()
         for path in self.paths:

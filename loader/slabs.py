@@ -4,7 +4,9 @@ allocations instead of one per tensor, and copies to the GPU are plain DMA from 
 
 With CUDA a slab comes from torch's caching host allocator (cudaHostAlloc; full slabs share one
 size bin, so a slab freed by one shard is reused by the next, and `_host_emptyCache` hands them back
-at release). Without CUDA it is an anonymous memory map, unmapped the moment its last view dies.
+at release). Without CUDA it is an anonymous memory map, kept for the next slab once its last view
+dies (a fresh map costs a zero-filled page fault per 4 KiB) while the budget has room, and unmapped
+at release.
 Either way a slab lives exactly as long as some tensor views it; its storage's weak reference tells.
 Each tensor starts 4 KiB aligned; a tensor larger than a slab gets a buffer of its own.
 """
@@ -53,14 +55,15 @@ class SlabStats:
 class Slab:
     """One buffer and the names of the tensors placed in it (for the report of leftovers)."""
 
-    def __init__(self, nbytes: int, names: list[str], pin: bool):
+    def __init__(self, nbytes: int, names: list[str], pin: bool, buffer: mmap.mmap | None = None):
         self.nbytes = nbytes
         self.names = names
+        self.buffer = None  # the map behind an unpinned slab
         if pin:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
-            buffer = mmap.mmap(-1, max(nbytes, 1))
-            self.tensor = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes) if nbytes else \
+            self.buffer = buffer or mmap.mmap(-1, max(nbytes, 1))
+            self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes) if nbytes else \
                 torch.empty(0, dtype=torch.uint8)
 
     def memoryview(self) -> memoryview:
@@ -73,7 +76,9 @@ class SlabPool:
         self.budget_bytes = budget_bytes
         self.pin = pin
         self.stats = SlabStats()
-        self._live: list[tuple[int, int, str, list[str]]] = []  # (storage weak ref, bytes, file, names)
+        # (storage weak ref, bytes, file, names, map)
+        self._live: list[tuple[int, int, str, list[str], mmap.mmap | None]] = []
+        self._idle: list[mmap.mmap] = []  # maps of dead unpinned slabs, for the next ones
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int, names: list[str], file: str, may_wait=lambda: True) -> Slab:
@@ -84,30 +89,49 @@ class SlabPool:
         while self._reap() + nbytes > self.budget_bytes and self.stats.live_bytes and may_wait() \
                 and time.monotonic() < deadline:
             time.sleep(0.005)
-        slab = Slab(nbytes, names, self.pin)
+        slab = Slab(nbytes, names, self.pin, self._reuse(nbytes))
         with self._lock:
-            self._live.append((slab.tensor.untyped_storage()._weak_ref(), nbytes, file, names))
+            self._live.append((slab.tensor.untyped_storage()._weak_ref(), nbytes, file, names, slab.buffer))
             self.stats.live_bytes += nbytes
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
             self.stats.slabs += 1
             self.stats.requests += len(names)
         return slab
 
+    def _reuse(self, nbytes: int) -> mmap.mmap | None:
+        """An idle map that holds nbytes without wasting more than a quarter of it."""
+        with self._lock:
+            for i, buffer in enumerate(self._idle):
+                if nbytes <= len(buffer) <= nbytes + nbytes // 4 + ALIGN:
+                    return self._idle.pop(i)
+        return None
+
     def _reap(self) -> int:
-        """Forget slabs no tensor views any more; returns the bytes still live."""
+        """Forget slabs no tensor views any more, keeping their maps while the budget has room;
+        returns the bytes still live."""
         with self._lock:
             kept = []
             for entry in self._live:
                 if torch.UntypedStorage._expired(entry[0]):
                     torch.UntypedStorage._free_weak_ref(entry[0])
                     self.stats.live_bytes -= entry[1]
+                    if entry[4] is not None:
+                        self._idle.append(entry[4])
                 else:
                     kept.append(entry)
             self._live = kept
+            while self._idle and self.stats.live_bytes + sum(len(b) for b in self._idle) > self.budget_bytes:
+                self._idle.pop(0)
             return self.stats.live_bytes
+
+    def drop_idle(self):
+        """Unmap the maps kept for reuse (after the load)."""
+        self._reap()
+        with self._lock:
+            self._idle.clear()
 
     def alive(self) -> list[tuple[str, list[str]]]:
         """(file, tensor names) of every slab some tensor still holds."""
         self._reap()
         with self._lock:
-            return [(file, names) for _, _, file, names in self._live]
+            return [(file, names) for _, _, file, names, _ in self._live]
