@@ -27,10 +27,14 @@ def activate(mode: str | None = None):
     import safetensors
 
     from loader.hook import Hook
+    mapping = os.environ.get("RANKFS_HOOK_MAP", "auto")
+    if mapping not in ("auto", "on", "off"):
+        raise ValueError(f"RANKFS_HOOK_MAP must be auto, on or off, not {mapping!r}")
     _hook = Hook(mode,
                  slab_bytes=_power_of_two(int(os.environ.get("RANKFS_HOOK_SLAB_MB", "256"))) << 20,
                  budget_bytes=int(float(os.environ.get("RANKFS_HOOK_INFLIGHT_GB", "4")) * (1 << 30)),
-                 threads=int(os.environ.get("RANKFS_HOOK_THREADS", "16")))
+                 threads=int(os.environ.get("RANKFS_HOOK_THREADS", "16")),
+                 map_sources=mapping == "on" or mapping == "auto" and not torch_cuda_available())
     stock = _hook.stock_open
     safetensors.safe_open = _hook.safe_open
     # Modules that bound the stock function at import time (`from safetensors import safe_open`).
@@ -38,6 +42,11 @@ def activate(mode: str | None = None):
         if getattr(module, "safe_open", None) is stock:
             module.safe_open = _hook.safe_open
     return _hook
+
+
+def torch_cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def deactivate():

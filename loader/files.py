@@ -4,14 +4,20 @@ The file's tensors (in the loaders' order: sorted names) are packed into slabs a
 hook's threads with large preads; `get_tensor` returns views into the slabs. The bytes are read
 where the mount says they lie in the source shards (`.rankfs/sources/`), so they do not pass through
 FUSE at all; where it cannot say, or the sources cannot be read here, from the virtual file.
+For loads into host memory (by default when there is no CUDA) a slab would only add a copy: the
+tensors are views of the sources' maps instead (column slices strided over whole rows), faulted in
+ahead by the same threads.
 Sliced experts hold only their slice (read as one block, or as whole rows with the rank's columns
 copied out) behind a guarded full-shape stand-in. Row-store tables stay stock mmap tensors.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import math
+import mmap
 import os
 from concurrent.futures import Future
 
@@ -45,6 +51,22 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: str, name: str):
             raise OSError(f"{path}: tensor {name!r}: short read at offset {offset + done}; "
                           "the file was truncated")
         done += n
+
+
+MADV_POPULATE_READ = 22  # Linux 5.14: fault pages in, reading them, without copying them out
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _populate(source: mmap.mmap, offset: int, length: int, where: str, name: str):
+    """Fault [offset, offset + length) of a file map in (ctypes releases the GIL meanwhile)."""
+    start = offset - offset % mmap.PAGESIZE
+    base = ctypes.addressof(ctypes.c_char.from_buffer(source))
+    if _libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(offset + length - start),
+                     MADV_POPULATE_READ) != 0:
+        error = ctypes.get_errno()
+        if error != errno.EINVAL:  # before Linux 5.14 the loader's own copy faults the pages in
+            raise OSError(error, f"{where}: tensor {name!r}: reading {length} bytes at offset {offset} "
+                                 f"failed: {os.strerror(error)}")
 
 
 IOV_MAX = 1024
@@ -95,9 +117,13 @@ class RankfsFile:
         self._fd = os.open(path, os.O_RDONLY)
         self._backing = hook.backing(path)
         eager = [n for n in sorted(self._entries) if n not in self._on_demand]
-        groups = pack([(n, self._resident_bytes(n)) for n in eager], hook.pool.slab_bytes)
-        self._place = {name: (g, offset) for g, group in enumerate(groups) for name, offset in group}
+        self._mapped = set(eager) if self._backing is not None and hook.map_sources else set()
+        groups = [[name for name, _ in group]
+                  for group in pack([(n, self._resident_bytes(n)) for n in eager], hook.pool.slab_bytes)]
+        self._group_of = {name: g for g, group in enumerate(groups) for name in group}
         self._groups = groups
+        self._mapped_bytes = [sum(self._mapped_span(n)[1] for n in group if n in self._mapped) for group in groups]
+        self._held: set[int] = set()  # groups whose mapped bytes count against the budget
         self._remaining = [len(group) for group in groups]
         self._demanded: set[int] = set()
         self._futures: list[Future | None] = [hook.executor.submit(self._load, g) for g in range(len(groups))]
@@ -116,23 +142,33 @@ class RankfsFile:
     def get_tensor(self, name: str) -> torch.Tensor:
         if name in self._on_demand:
             return self._stock_handle(name).get_tensor(name)
-        if name not in self._place:
+        if name not in self._group_of:
             raise KeyError(f"{self.path}: no tensor {name!r}")
-        group, offset = self._place[name]
+        group = self._group_of[name]
         self._demanded.add(group)
         future = self._futures[group] or self._hook.executor.submit(self._load, group)
-        slab: Slab = future.result()
+        slab, offsets = future.result()
         self._remaining[group] -= 1
-        self._futures[group] = future if self._remaining[group] > 0 else None  # let the slab go
+        if self._remaining[group] == 0:
+            self._futures[group] = None  # let the slab go
+            self._let_go(group)
         entry = self._entries[name]
-        resident = slab.tensor[offset:offset + self._resident_bytes(name)]
         dtype = TORCH_DTYPES[entry.dtype]
-        if name not in self._slices:
-            return resident.view(dtype).reshape(entry.shape)
-        dim, start, stop = self._slices[name]
         shape = list(entry.shape)
-        shape[dim] = stop - start
-        return SlicedTensor(name, entry.shape, dtype, dim, start, stop, resident.view(dtype).reshape(shape))
+        if name in self._slices:
+            dim, start, stop = self._slices[name]
+            shape[dim] = stop - start
+        if name in self._mapped:
+            offset, nbytes = self._mapped_span(name)
+            resident = torch.frombuffer(self._hook.source_map(self._backing[name][2]), dtype=torch.uint8,
+                                        count=nbytes, offset=offset).view(dtype)
+            if name in self._slices and dim > 0:  # whole rows mapped: the rank's columns, strided
+                resident = resident.reshape(entry.shape).narrow(dim, start, stop - start)
+        else:
+            resident = slab.tensor[offsets[name]:offsets[name] + self._resident_bytes(name)].view(dtype)
+        if name not in self._slices:
+            return resident.reshape(entry.shape)
+        return SlicedTensor(name, entry.shape, dtype, dim, start, stop, resident.reshape(shape))
 
     def __enter__(self):
         return self
@@ -146,6 +182,8 @@ class RankfsFile:
             if future is not None:
                 future.cancel()
         self._futures = [None] * len(self._futures)
+        for group in list(self._held):
+            self._let_go(group)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -168,18 +206,28 @@ class RankfsFile:
         dim, start, stop = self._slices[name]
         return nbytes // entry.shape[dim] * (stop - start)
 
-    def _load(self, group: int) -> Slab:
-        """Runs in a hook thread: fill one slab. Tensors whose bytes are adjacent in the file are read
-        together, in file order, with one scattering preadv each run."""
-        names = [name for name, _ in self._groups[group]]
-        last_name, last_offset = self._groups[group][-1]
-        slab = self._hook.pool.allocate(last_offset + self._resident_bytes(last_name), names, self.path,
-                                        may_wait=lambda: group not in self._demanded)
+    def _load(self, group: int) -> tuple[Slab | None, dict[str, int]]:
+        """Runs in a hook thread: fill one slab, and fault the group's mapped tensors in. Tensors
+        whose bytes are adjacent in the file are read together, in file order, with one scattering
+        preadv each run. Returns the slab and each staged tensor's offset in it."""
+        may_wait = lambda: group not in self._demanded  # noqa: E731
+        names = self._groups[group]
+        if self._mapped_bytes[group]:
+            self._hook.pool.hold(self._mapped_bytes[group], may_wait)
+            self._held.add(group)
+            self._fault_in([n for n in names if n in self._mapped])
+        staged = [n for n in names if n not in self._mapped]
+        if not staged:
+            return None, {}
+        offsets = {name: offset for name, offset in pack([(n, self._resident_bytes(n)) for n in staged],
+                                                         1 << 62)[0]}
+        slab = self._hook.pool.allocate(offsets[staged[-1]] + self._resident_bytes(staged[-1]), staged,
+                                        self.path, may_wait)
         view = slab.memoryview()
         blocks = []  # (fd, file offset, slab view, file name, tensor): contiguous pieces to read
-        for name, offset in self._groups[group]:
+        for name in staged:
             fd, begin, where = self._locate(name)
-            target = view[offset:offset + self._resident_bytes(name)]
+            target = view[offsets[name]:offsets[name] + self._resident_bytes(name)]
             block = self._block(name, begin)
             if block is None:
                 self._read_rows(name, fd, begin, where, target)
@@ -193,7 +241,25 @@ class RankfsFile:
         for run in _runs(blocks, limit=False):
             fd, begin = run[0][0], run[0][1]
             os.posix_fadvise(fd, begin, run[-1][1] + len(run[-1][2]) - begin, os.POSIX_FADV_DONTNEED)
-        return slab
+        return slab, offsets
+
+    def _fault_in(self, names: list[str]):
+        """Read mapped tensors into page cache and this process's page tables, runs adjacent in the
+        source at a time (the readahead hint first: one large read rather than faults)."""
+        blocks = sorted((self._backing[n][0], *self._mapped_span(n), self._backing[n][2], n) for n in names)
+        start = 0
+        for i, (fd, offset, length, where, name) in enumerate(blocks):
+            last = i + 1 == len(blocks) or blocks[i + 1][0] != fd or blocks[i + 1][1] != offset + length
+            if last:
+                first = blocks[start]
+                os.posix_fadvise(fd, first[1], offset + length - first[1], os.POSIX_FADV_WILLNEED)
+                _populate(self._hook.source_map(where), first[1], offset + length - first[1], where, first[4])
+                start = i + 1
+
+    def _let_go(self, group: int):
+        if group in self._held:
+            self._held.discard(group)
+            self._hook.pool.let_go(self._mapped_bytes[group])
 
     def _locate(self, name: str) -> tuple[int, int, str]:
         """(fd, offset of the tensor's first byte, file name for messages): in its source shard
@@ -201,6 +267,16 @@ class RankfsFile:
         if self._backing is not None:
             return self._backing[name]
         return self._fd, self._data_start + self._entries[name].begin, self.path
+
+    def _mapped_span(self, name: str) -> tuple[int, int]:
+        """(offset, length) in its source of what a mapped tensor views: its block, or its whole
+        rows for a column slice."""
+        begin = self._backing[name][1]
+        block = self._block(name, begin)
+        if block is None:
+            entry = self._entries[name]
+            return begin, entry.end - entry.begin
+        return block, self._resident_bytes(name)
 
     def _block(self, name: str, begin: int) -> int | None:
         """Where the tensor's resident bytes start in the file, when they are one block: whole

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -46,8 +47,11 @@ def _rankfs_devices() -> set[int]:
 
 
 class Hook:
-    def __init__(self, mode: str, slab_bytes: int, budget_bytes: int, threads: int):
+    def __init__(self, mode: str, slab_bytes: int, budget_bytes: int, threads: int, map_sources: bool):
         self.mode = mode
+        # Tensors that view the sources' maps instead of slabs: for loads into host memory, where
+        # a slab would only add a copy (RANKFS_HOOK_MAP; by default when there is no CUDA).
+        self.map_sources = map_sources
         self.stock_open = safetensors.safe_open
         self.pool = SlabPool(slab_bytes, budget_bytes, pin=torch.cuda.is_available())
         self.threads = threads
@@ -59,6 +63,7 @@ class Hook:
         self._lock = threading.Lock()
         self._maps: dict[str, dict] = {}  # map file -> where a view's tensors lie in the sources
         self._source_fds: dict[str, int] = {}
+        self._source_maps: dict[str, mmap.mmap] = {}
 
     def on_rankfs(self, path) -> bool:
         try:
@@ -118,6 +123,14 @@ class Hook:
                 self._source_fds[source["path"]] = fd
             return fd
 
+    def source_map(self, path: str) -> mmap.mmap:
+        """A private map of a source shard (opened by `backing`): mapped tensors view it."""
+        with self._lock:
+            source = self._source_maps.get(path)
+            if source is None:
+                source = self._source_maps[path] = mmap.mmap(self._source_fds[path], 0, access=mmap.ACCESS_COPY)
+            return source
+
     def _drop_daemons(self):
         """The daemons of the mounts loaded from release their buffers and drop what they pushed
         into page cache. Not for a mount several local ranks share: the others may still load."""
@@ -148,7 +161,9 @@ class Hook:
                 pass  # unmounted already: nothing cached
         self._drop_daemons()
         with self._lock:
+            self._source_maps.clear()  # unmapped once no tensor views them
             for fd in self._source_fds.values():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
             self._source_fds.clear()
             self._maps.clear()

@@ -85,10 +85,7 @@ class SlabPool:
         """A new slab. A read ahead waits (up to a minute) until the budget has room, as long as
         may_wait() holds: once the loader asks for one of its tensors it waits no more, since the
         tensors that fill the budget may be the ones that loader holds."""
-        deadline = time.monotonic() + 60
-        while self._reap() + nbytes > self.budget_bytes and self.stats.live_bytes and may_wait() \
-                and time.monotonic() < deadline:
-            time.sleep(0.005)
+        self._wait_for_room(nbytes, may_wait)
         slab = Slab(nbytes, names, self.pin, self._reuse(nbytes))
         with self._lock:
             self._live.append((slab.tensor.untyped_storage()._weak_ref(), nbytes, file, names, slab.buffer))
@@ -97,6 +94,23 @@ class SlabPool:
             self.stats.slabs += 1
             self.stats.requests += len(names)
         return slab
+
+    def hold(self, nbytes: int, may_wait=lambda: True):
+        """Count bytes read ahead outside slabs (mapped from the sources) against the budget."""
+        self._wait_for_room(nbytes, may_wait)
+        with self._lock:
+            self.stats.live_bytes += nbytes
+            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
+
+    def let_go(self, nbytes: int):
+        with self._lock:
+            self.stats.live_bytes -= nbytes
+
+    def _wait_for_room(self, nbytes: int, may_wait):
+        deadline = time.monotonic() + 60
+        while self._reap() + nbytes > self.budget_bytes and self.stats.live_bytes and may_wait() \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def _reuse(self, nbytes: int) -> mmap.mmap | None:
         """An idle map that holds nbytes without wasting more than a quarter of it."""
