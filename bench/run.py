@@ -138,9 +138,12 @@ class Bench:
         rows.append(self.mounted_run("rankfs + hook", spec, cold=True, hook=True))
         rows.append(self.measure("runai-model-streamer", "runai", {"files": originals}, True))
         rows.append(self.measure("fastsafetensors", "fastsafetensors", {"files": originals}, True))
+        # Before each: rankfs drops the source pages it has read (nothing cached twice).
         warm(all_files)
         rows.append(self.measure("warm: stock", "engine", self.engine_args(self.checkpoint, spec), False))
+        warm(all_files)
         rows.append(self.mounted_run("warm: rankfs", spec, cold=False))
+        warm(all_files)
         rows.append(self.mounted_run("warm: rankfs + hook", spec, cold=False, hook=True))
         best_limit = min(r["seconds"] for r in limit if "seconds" in r)
         for r in rows:
