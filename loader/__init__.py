@@ -35,6 +35,9 @@ def activate(mode: str | None = None):
                  budget_bytes=int(float(os.environ.get("RANKFS_HOOK_INFLIGHT_GB", "4")) * (1 << 30)),
                  threads=int(os.environ.get("RANKFS_HOOK_THREADS", "16")),
                  map_sources=mapping == "on" or mapping == "auto" and not torch_cuda_available())
+    if mode == "on":
+        from loader.guard import warm_up
+        warm_up()
     stock = _hook.stock_open
     safetensors.safe_open = _hook.safe_open
     # Modules that bound the stock function at import time (`from safetensors import safe_open`).

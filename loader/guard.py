@@ -52,3 +52,9 @@ class SlicedTensor(torch.Tensor):
         if func in (aten.detach.default, aten.alias.default):
             return self
         self._refuse(f"{func} on the whole tensor")
+
+
+def warm_up():
+    """The first operation on a tensor subclass imports torch's symbolic-shape machinery (sympy,
+    500 modules, about a second): do it when the hook is activated, not in the middle of a load."""
+    SlicedTensor("warm-up", (2,), torch.uint8, 0, 0, 1, torch.zeros(1, dtype=torch.uint8)).narrow(0, 0, 1)
