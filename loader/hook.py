@@ -21,10 +21,10 @@ import safetensors
 import torch
 
 from loader import memory
-from mount import control
-from vfs.tree import sources_file
 from loader.files import RankfsFile
 from loader.slabs import SlabPool
+from mount import control
+from vfs.tree import sources_file
 
 log = logging.getLogger("rankfs.hook")
 

@@ -134,8 +134,9 @@ class SlabPool:
                 else:
                     kept.append(entry)
             self._live = kept
-            while self._idle and self.stats.live_bytes + sum(len(b) for b in self._idle) > self.budget_bytes:
-                self._idle.pop(0)
+            idle_bytes = sum(len(b) for b in self._idle)
+            while self._idle and self.stats.live_bytes + idle_bytes > self.budget_bytes:
+                idle_bytes -= len(self._idle.pop(0))
             return self.stats.live_bytes
 
     def drop_idle(self):

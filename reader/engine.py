@@ -105,8 +105,9 @@ class BufferPool:
                 self._idle.append(buffer)
         self._retired = still_viewed
         room = self.budget + self.IDLE_SLACK - held_bytes
-        while self._idle and sum(len(b) for b in self._idle) > room:
-            self._idle.pop(0)  # the oldest go back to the kernel
+        idle_bytes = sum(len(b) for b in self._idle)
+        while self._idle and idle_bytes > room:
+            idle_bytes -= len(self._idle.pop(0))  # the oldest go back to the kernel
 
 
 class Chunk:
@@ -237,6 +238,7 @@ class ReadEngine:
         self._fds_lock = threading.Lock()
         self._pool = BufferPool(budget_bytes)
         self._loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
+        self._pushed: dict[int, Chunk] = {}  # those of them whose buffer went after a push
         self._budget_freed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._pushable_send, self.pushable = trio.open_memory_channel(math.inf)
@@ -348,20 +350,21 @@ class ReadEngine:
         chunk.buffer = None
         self._pool.give(chunk.backing)
         chunk.backing = None
+        self._pushed[id(chunk)] = chunk
         self.stats.pushed_bytes += end - start
         self.served(chunk, end - start)
 
     def _retire_passed(self, file: FileStream):
         # Pushed chunks far behind the loader whose first page it never asked for (their pages were
         # already cached, or evicted and skipped): no longer ahead of it, so no longer budgeted.
-        for chunk in [c for c in self._loaded.values()
-                      if c.buffer is None and c.file is file and c.stream_pos < file.frontier - PUSH_LAG_CHUNKS]:
+        for chunk in [c for c in self._pushed.values()
+                      if c.file is file and c.stream_pos < file.frontier - PUSH_LAG_CHUNKS]:
             self._release(chunk)
 
     def buffer_stats(self) -> dict:
         return {"created": self._pool.created, "idle": len(self._pool._idle),
                 "awaiting_replies": len(self._pool._retired),
-                "pushed_held": sum(1 for c in self._loaded.values() if c.buffer is None)}
+                "pushed_held": len(self._pushed)}
 
     def drop(self):
         """Release every chunk in memory (after the load, or on request). A view read again after
@@ -432,6 +435,7 @@ class ReadEngine:
 
     def _release(self, chunk: Chunk):
         if self._loaded.pop(id(chunk), None) is not None:
+            self._pushed.pop(id(chunk), None)
             if chunk.backing is not None:
                 self._pool.give(chunk.backing)
             chunk.buffer = chunk.backing = None
