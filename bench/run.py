@@ -26,6 +26,7 @@ from loader.memory import meminfo
 from mount.session import ROOT, mounted
 from plan.checkpoint import Checkpoint
 from plan.layout import RankSpec, plan_rank
+from reader.device import block_queue
 
 CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), an EP1 rank (sliced)
     "ep2": (4, 0, 2),
@@ -49,10 +50,7 @@ def warm(files):
 
 
 def readahead_file(path: Path) -> Path:
-    st = os.stat(path)
-    device = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-    queue = device / "queue" / "read_ahead_kb"
-    return queue if queue.exists() else device.resolve().parent / "queue" / "read_ahead_kb"
+    return block_queue(path) / "read_ahead_kb"
 
 
 def run_path(kind: str, args: dict) -> dict:

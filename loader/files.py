@@ -1,12 +1,14 @@
 """What `safe_open` returns, through the hook, for a file on a rankfs view.
 
 The file's tensors (in the loaders' order: sorted names) are packed into slabs and read ahead by the
-hook's threads with large preads; `get_tensor` returns views into the slabs. The bytes are read
-where the mount says they lie in the source shards (`.rankfs/sources/`), so they do not pass through
-FUSE at all; where it cannot say, or the sources cannot be read here, from the virtual file.
+hook's threads with large preads, the groups the loader needs first before those it needs later;
+`get_tensor` returns views into the slabs. The bytes are read where the mount says they lie in the
+source shards (`.rankfs/sources/`), so they do not pass through FUSE at all; where it cannot say,
+or the sources cannot be read here, from the virtual file.
 For loads into host memory (by default when there is no CUDA) a slab would only add a copy: the
-tensors are views of the sources' maps instead (column slices strided over whole rows), read ahead
-into page cache by the same threads.
+tensors are views of the sources' maps instead (column slices strided over whole rows), returned at
+once and read ahead into page cache by a few threads in the loaders' order; each counts against the
+hook's budget from its read-ahead until the loader lets it go.
 Sliced experts hold only their slice (read as one block, or as whole rows with the rank's columns
 copied out) behind a guarded full-shape stand-in. Row-store tables stay stock mmap tensors.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
+import weakref
 from concurrent.futures import Future
 
 import numpy as np
@@ -50,11 +54,6 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: str, name: str):
         done += n
 
 
-# posix_fadvise(WILLNEED) reads at most the device's readahead or largest request at once: ask in
-# pieces no larger than the smallest of those one meets (128 KiB, the DGX Spark readahead).
-READ_AHEAD_PIECE = 128 << 10
-
-
 IOV_MAX = 1024
 RUN_BYTES = 64 << 20
 
@@ -64,7 +63,7 @@ def _runs(blocks: list, limit: bool = True):
     about RUN_BYTES each when `limit`, for one preadv."""
     run: list = []
     for block in blocks:
-        fd, offset, target = block[0], block[1], block[2]
+        fd, offset = block[0], block[1]
         if run and (run[-1][0] != fd or run[-1][1] + len(run[-1][2]) != offset
                     or limit and (len(run) == IOV_MAX or offset - run[0][1] >= RUN_BYTES)):
             yield run
@@ -109,10 +108,15 @@ class RankfsFile:
         self._group_of = {name: g for g, group in enumerate(groups) for name in group}
         self._groups = groups
         self._mapped_bytes = [sum(self._mapped_span(n)[1] for n in group if n in self._mapped) for group in groups]
-        self._held: set[int] = set()  # groups whose mapped bytes count against the budget
-        self._remaining = [len(group) for group in groups]
+        # A mapped tensor's bytes count against the budget from its group's read-ahead on until
+        # the loader lets the tensor go (it has copied it), or the file closes.
+        self._unfreed = list(self._mapped_bytes)  # per group: bytes of tensors the loader still may read
+        self._freed: set[str] = set()
+        self._held: set[int] = set()  # groups whose read-ahead holds their unfreed bytes
+        self._lock = threading.Lock()
+        self._remaining = [sum(n not in self._mapped for n in group) for group in groups]  # slab tensors
         self._demanded: set[int] = set()
-        self._futures: list[Future | None] = [hook.executor.submit(self._load, g) for g in range(len(groups))]
+        self._futures: list[Future | None] = [self._submit(g) for g in range(len(groups))]
 
     # -- the safe_open interface ----------------------------------------------------------------
 
@@ -132,25 +136,19 @@ class RankfsFile:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         group = self._group_of[name]
         self._demanded.add(group)
-        future = self._futures[group] or self._hook.executor.submit(self._load, group)
-        slab, offsets = future.result()
-        self._remaining[group] -= 1
-        if self._remaining[group] == 0:
-            self._futures[group] = None  # let the slab go
-            self._let_go(group)
         entry = self._entries[name]
         dtype = TORCH_DTYPES[entry.dtype]
         shape = list(entry.shape)
         if name in self._slices:
             dim, start, stop = self._slices[name]
             shape[dim] = stop - start
-        if name in self._mapped:
-            offset, nbytes = self._mapped_span(name)
-            resident = torch.frombuffer(self._hook.source_map(self._backing[name][2]), dtype=torch.uint8,
-                                        count=nbytes, offset=offset).view(dtype)
+        if name in self._mapped:  # no wait: its page faults find the pages read ahead, in flight, or read them
+            resident = self._mapped_tensor(name, group).view(dtype)
             if name in self._slices and dim > 0:  # whole rows mapped: the rank's columns, strided
                 resident = resident.reshape(entry.shape).narrow(dim, start, stop - start)
         else:
+            slab, offsets = (self._futures[group] or self._submit(group)).result()
+            self._handed_slab_tensor(group)
             resident = slab.tensor[offsets[name]:offsets[name] + self._resident_bytes(name)].view(dtype)
         if name not in self._slices:
             return resident.reshape(entry.shape)
@@ -168,8 +166,9 @@ class RankfsFile:
             if future is not None:
                 future.cancel()
         self._futures = [None] * len(self._futures)
-        for group in list(self._held):
-            self._let_go(group)
+        with self._lock:
+            held, self._held = self._held, set()
+        self._hook.pool.let_go(sum(self._unfreed[group] for group in held))
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -192,16 +191,19 @@ class RankfsFile:
         dim, start, stop = self._slices[name]
         return nbytes // entry.shape[dim] * (stop - start)
 
+    def _submit(self, group: int) -> Future:
+        """Read a group ahead: the loaders take files in sorted order, each file's groups in order."""
+        readers = self._hook.map_executor if self._mapped_bytes[group] else self._hook.executor
+        return readers.submit((self.path, group), self._load, group)
+
     def _load(self, group: int) -> tuple[Slab | None, dict[str, int]]:
         """Runs in a hook thread: fill one slab, and read the group's mapped tensors ahead. Tensors
         whose bytes are adjacent in the file are read together, in file order, with one scattering
         preadv each run. Returns the slab and each staged tensor's offset in it."""
         may_wait = lambda: group not in self._demanded  # noqa: E731
         names = self._groups[group]
-        if self._mapped_bytes[group]:
-            self._hook.pool.hold(self._mapped_bytes[group], may_wait)
-            self._held.add(group)
-            self._read_ahead([n for n in names if n in self._mapped])
+        if self._mapped_bytes[group] and self._hold(group):
+            self._read_ahead([n for n in names if n in self._mapped and n not in self._freed])
         staged = [n for n in names if n not in self._mapped]
         if not staged:
             return None, {}
@@ -231,18 +233,61 @@ class RankfsFile:
 
     def _read_ahead(self, names: list[str]):
         """Start reading mapped tensors into page cache, in file order: the loader's own page
-        faults then find them there, or in flight. Waiting here for them (MADV_POPULATE_READ) was
-        slower: it faults every 4 KiB page in one by one."""
-        spans = sorted((self._backing[n][0], *self._mapped_span(n)) for n in names)
-        for fd, offset, length in spans:
-            for piece in range(offset, offset + length, READ_AHEAD_PIECE):
-                os.posix_fadvise(fd, piece, min(READ_AHEAD_PIECE, offset + length - piece),
-                                 os.POSIX_FADV_WILLNEED)
+        faults then find them there, or in flight. A few threads do this, a group each, in the
+        loaders' order (`Hook.map_executor`): what is in flight is what the loader needs next.
+        Each call asks for as much as one reads (a call per 128 KiB cost a warm load a third
+        of its speed, the GIL handed back and forth). Waiting here for the pages
+        (MADV_POPULATE_READ, a window behind) was slower."""
+        spans: list[list] = []  # [fd, offset, length, path], adjacent tensors merged
+        for fd, offset, length, path in sorted((self._backing[n][0], *self._mapped_span(n), self._backing[n][2])
+                                               for n in names):
+            if spans and spans[-1][0] == fd and spans[-1][1] + spans[-1][2] == offset:
+                spans[-1][2] += length
+            else:
+                spans.append([fd, offset, length, path])
+        for fd, offset, length, path in spans:
+            reach = self._hook.willneed_reach[path]
+            for piece in range(offset, offset + length, reach):
+                os.posix_fadvise(fd, piece, min(reach, offset + length - piece), os.POSIX_FADV_WILLNEED)
 
-    def _let_go(self, group: int):
-        if group in self._held:
-            self._held.discard(group)
-            self._hook.pool.let_go(self._mapped_bytes[group])
+    def _hold(self, group: int) -> bool:
+        """Count the bytes of a group's mapped tensors the loader may still read against the
+        budget, once it has room: the loader never waits for a mapped group's read-ahead (it
+        faults the pages in itself), so a full budget only holds the read-ahead back. False when
+        the loader has let them all go."""
+        wanted = self._unfreed[group]
+        if wanted == 0:
+            return False
+        self._hook.pool.hold(wanted)
+        with self._lock:
+            unfreed = self._unfreed[group]
+            if unfreed:
+                self._held.add(group)
+        self._hook.pool.let_go(wanted - unfreed)
+        return unfreed > 0
+
+    def _mapped_tensor(self, name: str, group: int) -> torch.Tensor:
+        """Bytes of a source's map, as a tensor whose last view's death lets its budget go."""
+        offset, nbytes = self._mapped_span(name)
+        base = np.frombuffer(self._hook.source_map(self._backing[name][2]), np.uint8, nbytes, offset)
+        weakref.finalize(base, self._freed_by_loader, name, group, nbytes).atexit = False
+        return torch.from_numpy(base)
+
+    def _freed_by_loader(self, name: str, group: int, nbytes: int):
+        with self._lock:
+            if name in self._freed:  # asked for twice: counted once
+                return
+            self._freed.add(name)
+            self._unfreed[group] -= nbytes
+            held = group in self._held
+        if held:
+            self._hook.pool.let_go(nbytes)
+
+    def _handed_slab_tensor(self, group: int):
+        """With the last of a slab's tensors handed out, the slab lives only as long as they do."""
+        self._remaining[group] -= 1
+        if self._remaining[group] == 0:
+            self._futures[group] = None
 
     def _locate(self, name: str) -> tuple[int, int, str]:
         """(fd, offset of the tensor's first byte, file name for messages): in its source shard

@@ -3,7 +3,8 @@ engine's weight loading returns, everything the load held is released and accoun
 
 Only files on a rankfs mount are touched; every other call goes to the stock `safe_open`.
 Settings (environment): RANKFS_HOOK=on|observe|off, RANKFS_HOOK_SLAB_MB (256),
-RANKFS_HOOK_INFLIGHT_GB (4), RANKFS_HOOK_THREADS (16).
+RANKFS_HOOK_INFLIGHT_GB (4), RANKFS_HOOK_THREADS (16), RANKFS_HOOK_MAP=auto|on|off (tensors view
+the sources' maps instead of slabs; auto: when there is no CUDA).
 """
 
 from __future__ import annotations
@@ -15,20 +16,22 @@ import mmap
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import safetensors
 import torch
 
 from loader import memory
 from loader.files import RankfsFile
+from loader.ordered import OrderedExecutor
 from loader.slabs import SlabPool
 from mount import control
+from reader.device import willneed_reach
 from vfs.tree import sources_file
 
 log = logging.getLogger("rankfs.hook")
 
 RANKFS_FSTYPE = "fuse.rankfs"
+MAP_READERS = 4
 
 
 class LeftoverSlabs(RuntimeError):
@@ -55,7 +58,9 @@ class Hook:
         self.stock_open = safetensors.safe_open
         self.pool = SlabPool(slab_bytes, budget_bytes, pin=torch.cuda.is_available())
         self.threads = threads
-        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="rankfs-read")
+        self.executor: OrderedExecutor | None = None  # reads into slabs
+        self.map_executor: OrderedExecutor | None = None  # reads mapped tensors ahead
+        self._start_readers()
         self.paths: set[str] = set()
         self.start: dict | None = None
         self.releases: list[dict] = []
@@ -63,7 +68,14 @@ class Hook:
         self._lock = threading.Lock()
         self._maps: dict[str, dict] = {}  # map file -> where a view's tensors lie in the sources
         self._source_fds: dict[str, int] = {}
+        self.willneed_reach: dict[str, int] = {}  # source path -> bytes one WILLNEED reads
         self._source_maps: dict[str, mmap.mmap] = {}
+
+    def _start_readers(self):
+        self.executor = OrderedExecutor(self.threads, "rankfs-read")
+        # A few threads, each with a window of reads in flight: enough to keep the disk busy, few
+        # enough that what is in flight is what the loader asks for next.
+        self.map_executor = OrderedExecutor(MAP_READERS, "rankfs-map")
 
     def on_rankfs(self, path) -> bool:
         try:
@@ -89,7 +101,7 @@ class Hook:
         if self.mode == "observe":
             return self.stock_open(filename, framework=framework, device=device)
         if self.executor is None:  # a load after a release: read threads again
-            self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix="rankfs-read")
+            self._start_readers()
         return RankfsFile(path, self, self.stock_open)
 
     def backing(self, path: str) -> dict[str, tuple[int, int, str]] | None:
@@ -121,6 +133,7 @@ class Hook:
                     os.close(fd)
                     raise OSError(f"{source['path']}: changed since it was mounted")
                 self._source_fds[source["path"]] = fd
+                self.willneed_reach[source["path"]] = willneed_reach(source["path"])
             return fd
 
     def source_map(self, path: str) -> mmap.mmap:
@@ -145,8 +158,9 @@ class Hook:
         """Stop the readers, free what the load held, drop the views' page cache, and report."""
         before = memory.snapshot()
         if self.executor is not None:
-            self.executor.shutdown(wait=True, cancel_futures=True)
-            self.executor = None
+            self.executor.shutdown()
+            self.map_executor.shutdown()
+            self.executor = self.map_executor = None
         gc.collect()
         leftovers = self.pool.alive()
         self.pool.drop_idle()

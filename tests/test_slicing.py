@@ -4,6 +4,7 @@ narrows elsewhere fails loudly through the hook."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -134,3 +135,29 @@ def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_di
         assert figures["slabs_alive"] == 0 and (figures["slabs"] >= 1) == (not hook.map_sources)
         assert lost < kept + 64 * (1 << 20), f"lost {lost >> 20} MiB with {kept >> 20} MiB of weights kept"
         del params
+
+
+def test_mapped_tensors_count_against_the_hook_budget_until_the_loader_lets_go(tiny_checkpoint, mount_dir,
+                                                                              monkeypatch):
+    """Tensors viewing the sources count against the hook's budget from their read-ahead until the
+    loader drops them. With a budget of two 1 MiB slabs the load completes bitwise, the count never
+    passes the budget (or one group, alone), and it is back to zero once the loader is done."""
+    monkeypatch.setenv("RANKFS_HOOK_MAP", "on")
+    monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
+    monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", str(2 / 1024))
+    hook = loader.activate("on")
+    try:
+        with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+            layout = engine_layout(4, 1, 1)
+            got = load_like_engine(mount_dir / "target", layout, tiny_checkpoint)
+            gc.collect()
+            stats = hook.pool.stats
+            largest = max(t.end - t.begin for s in Checkpoint.open(tiny_checkpoint).shards for t in s.tensors.values())
+            assert 0 < stats.peak_live_bytes <= max(hook.pool.budget_bytes, hook.pool.slab_bytes, largest)
+            assert stats.live_bytes == 0
+            assert_same(got, {n: t for n, t in load_like_engine(tiny_checkpoint, layout, tiny_checkpoint).items()
+                              if not n.startswith("mtp.")})
+            del got
+            loader.release("target")
+    finally:
+        loader.deactivate()

@@ -1,0 +1,30 @@
+"""What the block device under a file says about reads (sysfs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_WILLNEED_REACH = 128 << 10  # the smallest readahead one meets (DGX Spark's)
+
+
+def block_queue(path) -> Path | None:
+    """The sysfs queue directory of the disk under `path` (a partition's: its disk's); None off
+    block devices (tmpfs, network and overlay filesystems)."""
+    st = os.stat(path)
+    device = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if not device.exists():
+        return None
+    queue = device / "queue"
+    return queue if queue.exists() else device.resolve().parent / "queue"
+
+
+def willneed_reach(path) -> int:
+    """How many bytes one posix_fadvise(WILLNEED) reads of a file: the kernel caps each call at
+    the larger of the device's readahead and its largest request."""
+    queue = block_queue(path)
+    try:
+        kib = max(int((queue / "read_ahead_kb").read_text()), int((queue / "max_sectors_kb").read_text()))
+    except (OSError, TypeError, ValueError):
+        return DEFAULT_WILLNEED_REACH
+    return max(kib << 10, DEFAULT_WILLNEED_REACH)
