@@ -15,6 +15,7 @@ copied out) behind a guarded full-shape stand-in. Row-store tables stay stock mm
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -55,7 +56,7 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: str, name: str):
 
 
 IOV_MAX = 1024
-RUN_BYTES = 64 << 20
+RUN_BYTES = 16 << 20
 
 
 def _runs(blocks: list, limit: bool = True):
@@ -86,6 +87,18 @@ def _read_run(run: list):
             continue
         _pread_into(fd, target[done:], begin + done, where, name)
         done = 0
+
+
+_thread = threading.local()
+
+
+def _bounce(nbytes: int) -> bytearray:
+    """This thread's buffer for whole rows: a fresh one per tensor cost a zero-filled page fault
+    per 4 KiB of it."""
+    buffer = getattr(_thread, "bounce", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _thread.bounce = bytearray(nbytes)
+    return buffer
 
 
 class RankfsFile:
@@ -213,17 +226,19 @@ class RankfsFile:
                                         self.path, may_wait)
         view = slab.memoryview()
         blocks = []  # (fd, file offset, slab view, file name, tensor): contiguous pieces to read
+        reads = []  # (fd, file offset, read): what fills the slab, each read by one thread
         for name in staged:
             fd, begin, where = self._locate(name)
             target = view[offsets[name]:offsets[name] + self._resident_bytes(name)]
             block = self._block(name, begin)
             if block is None:
-                self._read_rows(name, fd, begin, where, target)
+                reads.append((fd, begin, functools.partial(self._read_rows, name, fd, begin, where, target)))
             else:
                 blocks.append((fd, block, target, where, name))
         blocks.sort(key=lambda b: (b[0], b[1]))
-        for run in _runs(blocks):
-            _read_run(run)
+        reads.extend((run[0][0], run[0][1], functools.partial(_read_run, run)) for run in _runs(blocks))
+        # Every free read thread helps: the group the loader needs first is filled first.
+        self._hook.executor.run_all((self.path, group), [read for _, _, read in sorted(reads, key=lambda r: r[:2])])
         # The pages are not needed twice: keep them out of MemAvailable's way. Only the ranges read:
         # between them lie other slabs' tensors (which the daemon may have pushed, for a view).
         for run in _runs(blocks, limit=False):
@@ -324,9 +339,9 @@ class RankfsFile:
         row_bytes, keep_start, keep_stop = inner * entry.shape[dim], inner * start, inner * stop
         # Every row holds kept bytes: read whole rows through a bounded buffer, copy the columns.
         rows = (entry.end - entry.begin) // row_bytes
-        per_read = max(1, BOUNCE_BYTES // row_bytes)
+        per_read = min(rows, max(1, BOUNCE_BYTES // row_bytes))
         out = np.frombuffer(target, np.uint8).reshape(rows, keep_stop - keep_start)
-        bounce = bytearray(per_read * row_bytes)
+        bounce = _bounce(per_read * row_bytes)
         for first in range(0, rows, per_read):
             count = min(per_read, rows - first)
             chunk = memoryview(bounce)[:count * row_bytes]

@@ -32,6 +32,30 @@ class OrderedExecutor:
             self._ready.notify()
         return future
 
+    def run_all(self, key: tuple, jobs: list):
+        """Run every job (a callable) on this thread and on whichever others are free for them
+        (queued under key + (i,), before any later key); return when all are done, raising the
+        first error. The calling thread never waits on queued work, only on jobs running."""
+        claimed = [False] * len(jobs)
+        results = [Future() for _ in jobs]
+        lock = threading.Lock()
+
+        def claim_and_run(i: int):
+            with lock:
+                if claimed[i]:
+                    return
+                claimed[i] = True
+            try:
+                results[i].set_result(jobs[i]())
+            except BaseException as exc:  # raised below, in the caller
+                results[i].set_exception(exc)
+        for i in range(1, len(jobs)):
+            self.submit((*key, i), claim_and_run, i)
+        for i in range(len(jobs)):
+            claim_and_run(i)
+        for result in results:
+            result.result()
+
     def shutdown(self):
         """Cancel what has not started, wait for what has."""
         with self._ready:

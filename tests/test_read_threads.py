@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from loader.ordered import OrderedExecutor
 
 
@@ -28,3 +30,22 @@ def test_shutdown_cancels_what_has_not_started():
     threading.Timer(0.1, gate.set).start()
     pool.shutdown()
     assert running.done() and not running.cancelled() and queued.cancelled()
+
+
+def test_a_group_read_by_every_free_thread_completes_even_when_all_are_busy_with_groups():
+    """Each thread filling a group runs its group's reads itself while free threads help: with
+    every thread inside a group no read is left waiting in the queue. Errors reach the caller."""
+    pool = OrderedExecutor(2, "test")
+    done = []
+
+    def fill(group):
+        pool.run_all(("f", group), [lambda i=i: done.append((group, i)) for i in range(50)])
+        return group
+    assert [f.result(timeout=10) for f in [pool.submit(("f", g), fill, g) for g in range(4)]] == [0, 1, 2, 3]
+    assert sorted(done) == [(g, i) for g in range(4) for i in range(50)]
+
+    def fail():
+        raise OSError("model-00001.safetensors: tensor 'x': read failed")
+    with pytest.raises(OSError, match="tensor 'x'"):
+        pool.run_all(("f", 9), [lambda: None, fail, lambda: None])
+    pool.shutdown()
