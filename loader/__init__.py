@@ -56,10 +56,13 @@ def deactivate():
     global _hook
     if _hook is None:
         return
+    import atexit
+
     import safetensors
     for module in [safetensors] + list(sys.modules.values()):
         if getattr(module, "safe_open", None) == _hook.safe_open:
             module.safe_open = _hook.stock_open
+    atexit.unregister(_hook.flush_progress)
     _hook = None
 
 

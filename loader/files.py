@@ -114,6 +114,8 @@ class RankfsFile:
         self._on_demand = set(json.loads(meta.get(ON_DEMAND_METADATA_KEY, "[]")))
         self._fd = os.open(path, os.O_RDONLY)
         self._backing = hook.backing(path)
+        # Bytes read from the sources bypass the mount: the daemon hears of them from the hook.
+        self._progress = hook.progress(path) if self._backing is not None else None
         eager = [n for n in sorted(self._entries) if n not in self._on_demand]
         self._mapped = set(eager) if self._backing is not None and hook.map_sources else set()
         groups = [[name for name, _ in group]
@@ -162,6 +164,7 @@ class RankfsFile:
         else:
             slab, offsets = (self._futures[group] or self._submit(group)).result()
             self._handed_slab_tensor(group)
+            self._count_loaded(name)
             resident = slab.tensor[offsets[name]:offsets[name] + self._resident_bytes(name)].view(dtype)
         if name not in self._slices:
             return resident.reshape(entry.shape)
@@ -182,6 +185,8 @@ class RankfsFile:
         with self._lock:
             held, self._held = self._held, set()
         self._hook.pool.let_go(sum(self._unfreed[group] for group in held))
+        if self._progress is not None:
+            self._progress.flush()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -297,6 +302,13 @@ class RankfsFile:
             held = group in self._held
         if held:
             self._hook.pool.let_go(nbytes)
+        self._count_loaded(name)
+
+    def _count_loaded(self, name: str):
+        """Report a tensor loaded (a mapped one once the loader has let it go: copied) by the bytes
+        the view serves for it."""
+        if self._progress is not None:
+            self._progress.add(self._mapped_span(name)[1])
 
     def _handed_slab_tensor(self, group: int):
         """With the last of a slab's tensors handed out, the slab lives only as long as they do."""

@@ -9,6 +9,7 @@ the sources' maps instead of slabs; auto: when there is no CUDA).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import logging
@@ -16,6 +17,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 
 import safetensors
 import torch
@@ -36,6 +38,38 @@ MAP_READERS = 4
 
 class LeftoverSlabs(RuntimeError):
     pass
+
+
+class ViewProgress:
+    """The bytes of one view this process has loaded from the sources, reported to the mount's
+    daemon (at most every quarter second, and at release): `rankfs status` and `--progress` count
+    them, though they never pass through the mount."""
+
+    def __init__(self, report_dir: str, view: str):
+        self.report_dir, self.view = report_dir, view
+        self.loaded = 0
+        self._reported_at = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int):
+        with self._lock:
+            self.loaded += nbytes
+            if time.monotonic() - self._reported_at >= 0.25:
+                self._report()
+
+    def flush(self):
+        with self._lock:
+            self._report()
+
+    def _report(self):
+        self._reported_at = time.monotonic()
+        if self.report_dir is None:
+            return
+        try:
+            control.report_loaded(self.report_dir, self.view, self.loaded)
+        except OSError as exc:  # the mount is gone, or not ours to write to: stop telling it
+            log.info("rankfs hook: %s: progress not reported: %s", self.view, exc)
+            self.report_dir = None
 
 
 def _rankfs_devices() -> set[int]:
@@ -69,6 +103,8 @@ class Hook:
         self._maps: dict[str, dict] = {}  # map file -> where a view's tensors lie in the sources
         self._source_fds: dict[str, int] = {}
         self.willneed_reach: dict[str, int] = {}  # source path -> bytes one WILLNEED reads
+        self._progress: dict[str, ViewProgress] = {}  # view directory -> its progress
+        atexit.register(self.flush_progress)  # a program that never releases: its last figures
         self._source_maps: dict[str, mmap.mmap] = {}
 
     def _start_readers(self):
@@ -123,6 +159,28 @@ class Hook:
         return {name: (fds[i], offset, paths[i])
                 for name, (i, offset) in mapping["files"][os.path.basename(path)].items()}
 
+    def flush_progress(self):
+        with self._lock:
+            views = list(self._progress.values())
+        for progress in views:
+            progress.flush()
+
+    def progress(self, path: str) -> ViewProgress:
+        """The progress of the view a file belongs to."""
+        view_dir = os.path.dirname(path)
+        with self._lock:
+            progress = self._progress.get(view_dir)
+        if progress is None:
+            mountpoint = control.mount_root(path)
+            try:
+                report_dir = control.read_status(mountpoint)["hook_reports"]
+            except (OSError, ValueError, KeyError):
+                report_dir = None
+            with self._lock:
+                progress = self._progress.setdefault(
+                    view_dir, ViewProgress(report_dir, os.path.relpath(view_dir, mountpoint)))
+        return progress
+
     def _source_fd(self, source: dict) -> int:
         with self._lock:
             fd = self._source_fds.get(source["path"])
@@ -175,8 +233,10 @@ class Hook:
                 os.close(fd)
             except OSError:
                 pass  # unmounted already: nothing cached
+        self.flush_progress()
         self._drop_daemons()
         with self._lock:
+            self._progress.clear()
             self._source_maps.clear()  # unmapped once no tensor views them
             for fd in self._source_fds.values():
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -287,9 +287,16 @@ def _format_status(s: dict) -> str:
              f"held {_gb(s['held_bytes'])} (peak {_gb(s['peak_held_bytes'])}, budget "
              f"{_gb(s['budget_bytes'])}); daemon RSS {_gb(s['rss_bytes'])}; errors {s['errors']}"]
     for v in s["views"]:
-        lines.append(f"  {v['view']:<16} {_bar(v['served_bytes'], v['planned_bytes'])} "
-                     f"{_gb(v['served_bytes'])} / {_gb(v['planned_bytes'])}")
+        hook = v["hook_loaded_bytes"]
+        lines.append(f"  {v['view']:<16} {_bar(_loaded(v), v['planned_bytes'])} "
+                     f"{_gb(_loaded(v))} / {_gb(v['planned_bytes'])}"
+                     + (f" ({_gb(hook)} by the engine hook, from the sources)" if hook else ""))
     return "\n".join(lines)
+
+
+def _loaded(view: dict) -> int:
+    """A view's bytes loaded: served through the mount, and read by engine hooks directly."""
+    return view["served_bytes"] + view["hook_loaded_bytes"]
 
 
 def _bar(done: int, total: int, width: int = 30) -> str:
@@ -311,7 +318,7 @@ def _watch(mountpoint: str, until_loaded: bool) -> int:
             sys.stdout.write("\x1b[2J\x1b[H" + text + "\n" if sys.stdout.isatty() else text + "\n")
             sys.stdout.flush()
             active = [v for v in status["views"] if v["active"]]
-            if until_loaded and active and all(v["served_bytes"] >= v["planned_bytes"] for v in active):
+            if until_loaded and active and all(_loaded(v) >= v["planned_bytes"] for v in active):
                 return EXIT_OK
             time.sleep(1)
     except KeyboardInterrupt:

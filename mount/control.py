@@ -28,6 +28,30 @@ def mount_root(path: str) -> str:
     return path
 
 
+def report_loaded(report_dir: str, view: str, loaded_bytes: int):
+    """Tell the daemon how many of a view's bytes this process has loaded straight from the
+    sources (the engine hook does), so that its status counts them with what it served."""
+    path = os.path.join(report_dir, f"{os.getpid()}.{view.replace('/', '.')}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"view": view, "bytes": loaded_bytes}, f)
+    os.replace(path + ".tmp", path)
+
+
+def loaded_by_hooks(report_dir: str) -> dict[str, int]:
+    """{view: bytes} the hooks have reported; a view loaded twice (an engine restarted) counts
+    its larger load."""
+    loaded: dict[str, int] = {}
+    for name in os.listdir(report_dir):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(report_dir, name)) as f:
+                    report = json.load(f)
+                loaded[report["view"]] = max(loaded.get(report["view"], 0), int(report["bytes"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being replaced, or not a report
+    return loaded
+
+
 def drop(mountpoint: str, timeout: float = 30.0):
     """Have the daemon release its buffers and drop the views' page cache, and wait until it says
     it has. Opening the views here instead would start their prefetch again."""

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import psutil
 import pyfuse3
 import trio
 
-from mount import kernel
+from mount import control, kernel
 from mount.config import MountConfig
 from plan.checkpoint import Checkpoint
 from plan.layout import RankLayout, plan_ranks
@@ -42,10 +44,15 @@ class Daemon:
         self._rate = (time.monotonic(), 0, 0.0)  # (when, bytes read then, bytes/s)
         self.tuning: dict = {}
         self.drops = 0  # completed `rankfs drop`s: the command waits for this to move
+        # Where engine hooks, reading the sources directly, report what they have loaded. They may
+        # run as any user: world-writable, sticky, like /tmp.
+        self.hook_reports = tempfile.mkdtemp(prefix="rankfs-hooks-")
+        os.chmod(self.hook_reports, 0o1777)
 
     def status(self) -> dict:
         stats = self.engine.stats
         read_total = sum(stats.read_bytes.values())
+        hooks = control.loaded_by_hooks(self.hook_reports)
         when, before, rate = self._rate
         now = time.monotonic()
         if now - when >= 1.0:
@@ -59,7 +66,9 @@ class Daemon:
             "profile": self.layouts[0].profile,
             "ranks": [layout.spec.describe() for layout in self.layouts],
             "views": [{"view": s.name, "planned_bytes": s.planned_bytes, "served_bytes": s.served_bytes,
-                       "active": s.active} for s in self.engine.streams.values()],
+                       "hook_loaded_bytes": hooks.get(s.name, 0), "active": s.active}
+                      for s in self.engine.streams.values()],
+            "hook_reports": self.hook_reports,
             "read_bytes": read_total,
             "on_demand_read_bytes": stats.on_demand_read_bytes,
             "read_rate_bytes_per_s": rate,
@@ -150,5 +159,6 @@ def serve(config: MountConfig, ready_fd: int | None):
         unmounted = kernel.find_mount(config.mountpoint) is None
     finally:
         pyfuse3.close(unmount=not unmounted)
+        shutil.rmtree(daemon.hook_reports, ignore_errors=True)
         log.info("unmounted %s", config.mountpoint)
     return 0

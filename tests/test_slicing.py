@@ -121,7 +121,8 @@ def test_one_shared_view_serves_every_local_rank_through_the_hook(tiny_checkpoin
 
 def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_dir, hook):
     """After release, MemAvailable is within 64 MiB of its baseline less the weights the loader kept,
-    and the daemon has dropped its buffers and what it pushed into page cache."""
+    the daemon has dropped its buffers and what it pushed into page cache, and its status counts
+    what the hook loaded."""
     from loader.memory import meminfo
     from mount.control import read_status
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 0.0625):
@@ -132,6 +133,9 @@ def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_di
         lost = baseline - meminfo()["MemAvailable"]
         status = read_status(str(mount_dir))
         assert status["drops"] == 1 and status["held_bytes"] == 0 and status["buffers"]["idle"] == 0
+        # The hook read the sources, not the mount, and told the daemon: status counts the view loaded.
+        target = next(v for v in status["views"] if v["view"] == "target")
+        assert target["hook_loaded_bytes"] == target["planned_bytes"] > 0
         assert figures["slabs_alive"] == 0 and (figures["slabs"] >= 1) == (not hook.map_sources)
         assert lost < kept + 64 * (1 << 20), f"lost {lost >> 20} MiB with {kept >> 20} MiB of weights kept"
         del params
