@@ -472,7 +472,9 @@ class ReadEngine:
         with self._fds_lock:  # worker threads
             if index not in self._fds:
                 flags = os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0)
-                self._fds[index] = os.open(self.sources[index].path, flags)
+                fd = self._fds[index] = os.open(self.sources[index].path, flags)
+                # Reads are large and exact: kernel readahead would only add other ranks' bytes.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             return self._fds[index]
 
     def _check_unchanged(self, source: SourceFile):
