@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import mmap
 import os
 import threading
 import weakref
@@ -127,6 +128,8 @@ class RankfsFile:
         # the loader lets the tensor go (it has copied it), or the file closes.
         self._unfreed = list(self._mapped_bytes)  # per group: bytes of tensors the loader still may read
         self._freed: set[str] = set()
+        self._alive: dict[str, int] = {}  # mapped tensor -> its views handed out and not yet let go
+        self._maps: dict[str, mmap.mmap] = {}  # source path -> its map, for mapped tensors
         self._held: set[int] = set()  # groups whose read-ahead holds their unfreed bytes
         self._lock = threading.Lock()
         self._remaining = [sum(n not in self._mapped for n in group) for group in groups]  # slab tensors
@@ -289,20 +292,39 @@ class RankfsFile:
     def _mapped_tensor(self, name: str, group: int) -> torch.Tensor:
         """Bytes of a source's map, as a tensor whose last view's death lets its budget go."""
         offset, nbytes = self._mapped_span(name)
-        base = np.frombuffer(self._hook.source_map(self._backing[name][2]), np.uint8, nbytes, offset)
+        path = self._backing[name][2]
+        if path not in self._maps:  # kept here: the tensors may outlive the hook's release
+            self._maps[path] = self._hook.source_map(path)
+        base = np.frombuffer(self._maps[path], np.uint8, nbytes, offset)
         weakref.finalize(base, self._freed_by_loader, name, group, nbytes).atexit = False
+        with self._lock:
+            self._alive[name] = self._alive.get(name, 0) + 1
         return torch.from_numpy(base)
 
     def _freed_by_loader(self, name: str, group: int, nbytes: int):
         with self._lock:
-            if name in self._freed:  # asked for twice: counted once
+            self._alive[name] -= 1
+            if self._alive[name]:  # asked for twice: let go with the last
                 return
+            first = name not in self._freed
             self._freed.add(name)
-            self._unfreed[group] -= nbytes
-            held = group in self._held
+            if first:
+                self._unfreed[group] -= nbytes
+            held = first and group in self._held
+        self._unmap(name)
         if held:
             self._hook.pool.let_go(nbytes)
-        self._count_loaded(name)
+        if first:
+            self._count_loaded(name)
+
+    def _unmap(self, name: str):
+        """A tensor the loader has let go leaves this process's memory (its pages stay in page cache):
+        otherwise every mapped byte would count in its RSS until the release. Only the pages wholly
+        inside it: a neighbour may still view the pages it shares."""
+        offset, nbytes = self._mapped_span(name)
+        start, end = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._maps[self._backing[name][2]].madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _count_loaded(self, name: str):
         """Report a tensor loaded (a mapped one once the loader has let it go: copied) by the bytes

@@ -165,3 +165,38 @@ def test_mapped_tensors_count_against_the_hook_budget_until_the_loader_lets_go(t
             loader.release("target")
     finally:
         loader.deactivate()
+
+
+def test_mapped_tensors_leave_the_loader_once_it_lets_them_go(tmp_path_factory, mount_dir, monkeypatch):
+    """Pages of the sources' maps stay in the engine's RSS only while the loader holds their tensors
+    (they stay in page cache): after the load, what is still mapped in is the row-store tables the
+    stock reader serves, and the pages tensors share at their edges."""
+    checkpoint = deepseek_v4.write(tmp_path_factory.mktemp("rss") / "dsv4", deepseek_v4.FixtureSpec.sized(1, experts=4))
+    monkeypatch.setenv("RANKFS_HOOK_MAP", "on")
+    loader.activate("on")
+    try:
+        with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+            got = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), checkpoint)
+            gc.collect()
+            status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
+            planned = next(v for v in status["views"] if v["view"] == "target")["planned_bytes"]
+            on_demand = sum(t.end - t.begin for s in Checkpoint.open(checkpoint).shards
+                            for n, t in s.tensors.items() if PROFILE.is_on_demand(n))
+            assert planned > 30_000_000 and _mapped_rss(checkpoint) < on_demand + planned // 10
+            del got
+            loader.release("target")
+    finally:
+        loader.deactivate()
+
+
+def _mapped_rss(directory) -> int:
+    """Bytes of this process's maps of files under `directory` that are resident in it."""
+    total, counting = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                counting = len(fields) >= 6 and fields[5].startswith(str(directory))
+            elif counting and fields[0] == "Rss:":
+                total += int(fields[1]) << 10
+    return total
