@@ -133,8 +133,7 @@ class RankfsFile:
         self._unfreed = list(self._mapped_bytes)  # per group: bytes of tensors the loader still may read
         self._freed: set[str] = set()
         self._alive: dict[str, int] = {}  # mapped tensor -> its views handed out and not yet let go
-        self._maps: dict[str, mmap.mmap] = {}  # source path -> its map, for mapped tensors
-        self._map_bases: dict[str, np.ndarray] = {}  # source path -> its map as an array (its address)
+        self._maps: dict[str, np.ndarray] = {}  # source path -> its whole map, for mapped tensors
         self._let_go_spans: list[tuple[str, int, int]] = []  # let go, still mapped in: (path, begin, end)
         self._let_go_bytes = 0
         self._held: set[int] = set()  # groups whose read-ahead holds their unfreed bytes
@@ -301,9 +300,8 @@ class RankfsFile:
         offset, nbytes = self._mapped_span(name)
         path = self._backing[name][2]
         if path not in self._maps:  # kept here: the tensors may outlive the hook's release
-            self._maps[path] = self._hook.source_map(path)
-            self._map_bases[path] = np.frombuffer(self._maps[path], np.uint8)
-        base = np.frombuffer(self._maps[path], np.uint8, nbytes, offset)
+            self._maps[path] = np.frombuffer(self._hook.source_map(path), np.uint8)
+        base = self._maps[path][offset:offset + nbytes]  # an array of its own: its death is the tensor's
         weakref.finalize(base, self._freed_by_loader, name, group, nbytes).atexit = False
         with self._lock:
             self._alive[name] = self._alive.get(name, 0) + 1
@@ -346,7 +344,7 @@ class RankfsFile:
         for path, begin, end in merged:
             start, stop = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
             if stop > start:  # through ctypes: the GIL is let go while the kernel unmaps
-                _libc.madvise(self._map_bases[path].ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
+                _libc.madvise(self._maps[path].ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
 
     def _count_loaded(self, name: str):
         """Report a tensor loaded (a mapped one once the loader has let it go: copied) by the bytes

@@ -27,7 +27,7 @@ from loader.files import RankfsFile
 from loader.ordered import OrderedExecutor
 from loader.slabs import SlabPool
 from mount import control
-from reader.device import willneed_reach
+from reader.device import open_for_exact_reads, willneed_reach
 from vfs.tree import sources_file
 
 log = logging.getLogger("rankfs.hook")
@@ -109,8 +109,8 @@ class Hook:
 
     def _start_readers(self):
         self.executor = OrderedExecutor(self.threads, "rankfs-read")
-        # A few threads, each with a window of reads in flight: enough to keep the disk busy, few
-        # enough that what is in flight is what the loader asks for next.
+        # A few threads, a group each: enough to keep the disk busy, few enough that what is in
+        # flight is what the loader asks for next.
         self.map_executor = OrderedExecutor(MAP_READERS, "rankfs-map")
 
     def on_rankfs(self, path) -> bool:
@@ -185,13 +185,11 @@ class Hook:
         with self._lock:
             fd = self._source_fds.get(source["path"])
             if fd is None:
-                fd = os.open(source["path"], os.O_RDONLY)
+                fd = open_for_exact_reads(source["path"])
                 st = os.fstat(fd)
                 if (st.st_size, st.st_mtime_ns, st.st_ino) != (source["size"], source["mtime_ns"], source["inode"]):
                     os.close(fd)
                     raise OSError(f"{source['path']}: changed since it was mounted")
-                # Its preads are large and exact: kernel readahead would only add other ranks' bytes.
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 self._source_fds[source["path"]] = fd
                 self.willneed_reach[source["path"]] = willneed_reach(source["path"])
             return fd

@@ -8,6 +8,14 @@ from pathlib import Path
 DEFAULT_WILLNEED_REACH = 128 << 10  # the smallest readahead one meets (DGX Spark's)
 
 
+def open_for_exact_reads(path, flags: int = os.O_RDONLY) -> int:
+    """A file opened for large preads of exactly the bytes wanted: without kernel readahead, which
+    would only add other ranks' bytes."""
+    fd = os.open(path, flags)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
 def block_queue(path) -> Path | None:
     """The sysfs queue directory of the disk under `path` (a partition's: its disk's); None off
     block devices (tmpfs, network and overlay filesystems)."""

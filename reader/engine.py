@@ -30,6 +30,7 @@ import trio
 
 from plan.checkpoint import SourceFile
 from plan.layout import FILL_BYTE, Extent
+from reader.device import open_for_exact_reads
 
 log = logging.getLogger("rankfs.reader")
 
@@ -472,9 +473,7 @@ class ReadEngine:
         with self._fds_lock:  # worker threads
             if index not in self._fds:
                 flags = os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0)
-                fd = self._fds[index] = os.open(self.sources[index].path, flags)
-                # Reads are large and exact: kernel readahead would only add other ranks' bytes.
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                self._fds[index] = open_for_exact_reads(self.sources[index].path, flags)
             return self._fds[index]
 
     def _check_unchanged(self, source: SourceFile):
