@@ -15,7 +15,6 @@ copied out) behind a guarded full-shape stand-in. Row-store tables stay stock mm
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import math
@@ -32,6 +31,7 @@ from loader.guard import SlicedTensor
 from loader.slabs import Slab, pack
 from plan.layout import ON_DEMAND_METADATA_KEY, SLICES_METADATA_KEY
 from plan.safetensors import DTYPE_SIZES, read_header
+from reader.pages import inner_pages, madvise
 
 TORCH_DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -58,8 +58,6 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: str, name: str):
 
 
 UNMAP_BATCH_BYTES = 64 << 20
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 IOV_MAX = 1024
 RUN_BYTES = 16 << 20
 
@@ -342,9 +340,9 @@ class RankfsFile:
             else:
                 merged.append([path, begin, end])
         for path, begin, end in merged:
-            start, stop = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
-            if stop > start:  # through ctypes: the GIL is let go while the kernel unmaps
-                _libc.madvise(self._maps[path].ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
+            start, stop = inner_pages(begin, end)
+            if stop > start:  # the GIL is let go while the kernel unmaps
+                madvise(self._maps[path].ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
 
     def _count_loaded(self, name: str):
         """Report a tensor loaded (a mapped one once the loader has let it go: copied) by the bytes

@@ -82,6 +82,7 @@ class Daemon:
             "buffers": self.engine.buffer_stats(),
             "prefetch_loads": stats.prefetch_loads,
             "pushed_bytes": stats.pushed_bytes,
+            "remnant_bytes": stats.remnant_bytes,
             "errors": stats.errors,
             "drops": self.drops,
             "tuning": self.tuning,

@@ -2,9 +2,11 @@
 the order the loaders consume the views, within a byte budget.
 
 The FUSE layer asks for a chunk's bytes with `await engine.read(chunk, lo, hi)`; everything
-about disks, threads, prefetch order and memory lives here. Chunks are anonymous memory maps:
-page-aligned for O_DIRECT, and returned to the kernel as soon as the last reference goes (no allocator
-arena keeps them).
+about disks, threads, prefetch order and memory lives here. A chunk served as it lies on disk is a
+range of its source's map (`reader.mapped`: one copy on its way out, not two); the others (sliced
+rows filled outside the slice, O_DIRECT reads) are read into anonymous memory maps: page-aligned for
+O_DIRECT, and returned to the kernel as soon as the last reference goes (no allocator arena keeps
+them).
 
 Prefetched chunks well ahead of the loader are offered on `pushable` to whoever can put them into the
 kernel's page cache (the serving layer's pusher); a pushed chunk keeps only its edges, the bytes
@@ -31,10 +33,11 @@ import trio
 from plan.checkpoint import SourceFile
 from plan.layout import FILL_BYTE, Extent
 from reader.device import open_for_exact_reads
+from reader.mapped import MappedSources
+from reader.pages import PAGE
 
 log = logging.getLogger("rankfs.reader")
 
-PAGE = 4096
 DEFAULT_CHUNK_BYTES = 8 << 20
 ON_DEMAND_CHUNK_BYTES = 1 << 20
 # Chunks this close after the loader's furthest read are about to be read: they are answered from
@@ -129,7 +132,7 @@ class Chunk:
         self.order = extent.order_of(start, start + length)
         self.on_demand = extent.on_demand
         self.buffer: memoryview | None = None
-        self.backing: mmap.mmap | None = None  # the pool buffer `buffer` views
+        self.backing: mmap.mmap | np.ndarray | None = None  # what `buffer` views: a pool buffer or a map's range
         self.loading: trio.Event | None = None
         self.served = 0
         self.prefetched = -1  # the prefetch pass that last read it
@@ -223,6 +226,7 @@ class Stats:
     demand_loads: int = 0
     prefetch_loads: int = 0
     pushed_bytes: int = 0
+    remnant_bytes: int = 0  # read again for what the loader had not read of a chunk let go
     errors: int = 0
 
 
@@ -238,6 +242,8 @@ class ReadEngine:
         self._fds: dict[int, int] = {}
         self._fds_lock = threading.Lock()
         self._pool = BufferPool(budget_bytes)
+        self._maps = MappedSources([s.path for s in sources], self._fd)
+        self._served_ranges: list[tuple[np.ndarray, int, int, int]] = []  # mapped, maybe still in replies
         self._loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
         self._pushed: dict[int, Chunk] = {}  # those of them whose buffer went after a push
         self._budget_freed = trio.Event()
@@ -267,6 +273,7 @@ class ReadEngine:
     def closed(self, file: FileStream):
         file.handles -= 1
         file.reading = file.reading and file.handles > 0
+        self._let_go_of_served_ranges()
 
     def _reading(self, file: FileStream):
         """A loader reads a file: prefetch it (and the view's next files) from now on. Only reads
@@ -292,6 +299,7 @@ class ReadEngine:
 
     async def read(self, chunk: Chunk, lo: int, hi: int) -> memoryview:
         """Bytes [lo, hi) (file offsets) of the chunk: from memory, from a read in flight, or read now."""
+        self._let_go_of_served_ranges()  # what earlier replies were copied from
         file = chunk.file
         if file is not None and not file.reading:
             self._reading(file)
@@ -303,6 +311,10 @@ class ReadEngine:
             return edge
         buffer = chunk.buffer
         while buffer is None:
+            if chunk.loading is None and chunk.served and self._served_as_on_disk(chunk):
+                remnant = await self._read_remnant(chunk, lo, hi)
+                if remnant is not None:
+                    return remnant
             if chunk.loading is None:
                 self.stats.demand_loads += 1
                 if file is not None:
@@ -318,6 +330,20 @@ class ReadEngine:
             # Another reader may have consumed and released it meanwhile: then read it again.
             buffer = chunk.buffer
         return buffer[lo - chunk.start:hi - chunk.start]
+
+    async def _read_remnant(self, chunk: Chunk, lo: int, hi: int) -> memoryview | None:
+        """Bytes of a chunk that was let go before the loader read all of it (pushed, then passed,
+        or evicted): only those, from the source's map, not the whole chunk again. None where the
+        map cannot serve them (the chunk read then says why)."""
+        begin = chunk.source_offset + (lo - chunk.start)
+        mapped = await trio.to_thread.run_sync(self._mapped_range, chunk.source, begin, begin + hi - lo,
+                                               limiter=self._limiter)
+        if mapped is None:
+            return None
+        self.stats.remnant_bytes += hi - lo
+        self.stats.read_bytes[chunk.source] += hi - lo
+        self._served_ranges.append((mapped, chunk.source, begin, begin + hi - lo))
+        return memoryview(mapped)
 
     def served(self, chunk: Chunk, nbytes: int):
         """Account bytes handed to the kernel; a chunk served whole is released."""
@@ -349,8 +375,7 @@ class ReadEngine:
         a, b = start - chunk.start, end - chunk.start
         chunk.head, chunk.tail = bytes(chunk.buffer[:a]), bytes(chunk.buffer[b:])
         chunk.buffer = None
-        self._pool.give(chunk.backing)
-        chunk.backing = None
+        self._give_back(chunk)
         self._pushed[id(chunk)] = chunk
         self.stats.pushed_bytes += end - start
         self.served(chunk, end - start)
@@ -364,7 +389,7 @@ class ReadEngine:
 
     def buffer_stats(self) -> dict:
         return {"created": self._pool.created, "idle": len(self._pool._idle),
-                "awaiting_replies": len(self._pool._retired),
+                "awaiting_replies": len(self._pool._retired) + len(self._served_ranges),
                 "pushed_held": len(self._pushed)}
 
     def drop(self):
@@ -374,6 +399,8 @@ class ReadEngine:
         for chunk in list(self._loaded.values()):
             self._release(chunk)
         self._pool.trim()
+        self._let_go_of_served_ranges()
+        self._maps.forget()
         for stream in self.streams.values():
             stream.running, stream.passes = False, stream.passes + 1  # ends the pass under way
             for file in stream.files:
@@ -437,18 +464,50 @@ class ReadEngine:
     def _release(self, chunk: Chunk):
         if self._loaded.pop(id(chunk), None) is not None:
             self._pushed.pop(id(chunk), None)
-            if chunk.backing is not None:
-                self._pool.give(chunk.backing)
-            chunk.buffer = chunk.backing = None
+            self._give_back(chunk)
+            chunk.buffer = None
             chunk.head = chunk.tail = b""
             self._unreserve(self._cost(chunk))
+
+    def _give_back(self, chunk: Chunk):
+        """The chunk's memory goes back once no reply views it any more: a buffer to the pool, a
+        map's range out of the map and the page cache."""
+        if isinstance(chunk.backing, np.ndarray):
+            self._served_ranges.append((chunk.backing, chunk.source, chunk.source_offset,
+                                        chunk.source_offset + chunk.length))
+        elif chunk.backing is not None:
+            self._pool.give(chunk.backing)
+        chunk.backing = None
+
+    def _let_go_of_served_ranges(self):
+        still_viewed, unviewed = [], []
+        for entry in self._served_ranges:
+            # references: the tuple and getrefcount's argument; a reply's memoryview adds one
+            if sys.getrefcount(entry[0]) > 2:
+                still_viewed.append(entry)
+            else:
+                unviewed.append(entry[1:])
+        self._served_ranges = still_viewed
+        if unviewed:
+            self._nursery.start_soon(trio.to_thread.run_sync, self._let_go_in_thread, unviewed)
+
+    def _let_go_in_thread(self, ranges: list[tuple[int, int, int]]):
+        try:
+            for source, begin, end in ranges:
+                self._maps.let_go(source, begin, end)
+        except OSError as exc:  # only memory and cache left behind: worth a warning, not the mount
+            log.warning("could not unmap or uncache served source pages: %s", exc)
+
+    def _served_as_on_disk(self, chunk: Chunk) -> bool:
+        return not self.direct_io and not chunk.row_bytes
 
     async def _load(self, chunk: Chunk, prefetched: bool = False):
         """Read a chunk whose `loading` event is set, and wake whoever waits on it. A prefetched
         chunk is then offered for pushing."""
         drops = self.drops
         try:
-            reused = self._pool.take(chunk.read_span(self.direct_io), self.stats.held_bytes)
+            reused = (None if self._served_as_on_disk(chunk)
+                      else self._pool.take(chunk.read_span(self.direct_io), self.stats.held_bytes))
             chunk.backing, chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, reused,
                                                                         limiter=self._limiter)
             chunk.error = None
@@ -487,8 +546,22 @@ class ReadEngine:
                                f"(size {source.size} -> {st.st_size}, mtime or inode differ); "
                                "remount to serve the new file")
 
-    def _read_chunk(self, chunk: Chunk, buffer: mmap.mmap | None) -> tuple[mmap.mmap, memoryview]:
-        """Runs in a worker thread: one large read, fill outside the slice, drop the source's cache."""
+    def _mapped_range(self, index: int, begin: int, end: int) -> np.ndarray | None:
+        """Bytes [begin, end) of a source, resident in its map (worker thread); None when the
+        file cannot be mapped or a page could not be read: a pread then says what went wrong."""
+        self._check_unchanged(self.sources[index])
+        try:
+            return self._maps.view(index, begin, end)
+        except (OSError, ValueError):
+            return None
+
+    def _read_chunk(self, chunk: Chunk, buffer: mmap.mmap | None) -> tuple[mmap.mmap | np.ndarray, memoryview]:
+        """Runs in a worker thread: the chunk's range of its source's map, resident; or one large
+        read, the fill outside the slice, and the source's cache dropped."""
+        if self._served_as_on_disk(chunk):
+            mapped = self._mapped_range(chunk.source, chunk.source_offset, chunk.source_offset + chunk.length)
+            if mapped is not None:
+                return mapped, memoryview(mapped)
         source = self.sources[chunk.source]
         self._check_unchanged(source)
         fd = self._fd(chunk.source)

@@ -58,7 +58,13 @@ def vm_hwm(pid: int) -> int:
                                    ["--tp-size", 1, "--tp-rank", 0]])
 def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
     budget = 128 * MIB
-    data = sum(p.stat().st_size for p in large_checkpoint.glob("*.safetensors"))
+    sources = sorted(large_checkpoint.glob("*.safetensors"))
+    data = sum(p.stat().st_size for p in sources)
+    for source in sources:  # none of it cached: what is cached afterwards, rankfs left behind
+        fd = os.open(source, os.O_RDONLY)
+        os.fsync(fd)  # just written: dirty pages stay cached
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
     with mounted(large_checkpoint, mount_dir, *flags, "--inflight-gb", budget / (1 << 30)):
         status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
         served = 0
@@ -68,9 +74,14 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
                     served += len(chunk)
         peak = vm_hwm(status["pid"])
         status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
+        sources_cached = sum(resident_pages(p) for p in sources) * mmap.PAGESIZE
     assert data > 4 * budget and served > 2 * budget
+    # nothing cached twice: the sources' pages left the cache once served (headers and pages shared
+    # by neighbouring reads may stay until the drop)
+    assert sources_cached < 0.02 * served, f"{sources_cached / MIB:.0f} MiB of the sources left in page cache"
     assert status["pushed_bytes"] > 0  # read-ahead went into the kernel's cache from the push threads
     assert status["peak_held_bytes"] <= budget
+    assert status["read_bytes"] == sum(v["planned_bytes"] for v in status["views"])  # each byte once
     assert peak < budget + 256 * MIB, f"daemon peak RSS {peak / MIB:.0f} MiB"
 
 
