@@ -100,12 +100,14 @@ def run_fastsafetensors(args: dict) -> dict:
 
 
 def run_raw(args: dict) -> dict:
-    """The limit: exactly the rank's byte ranges, 16 threads, 16 MiB requests."""
+    """The limit: exactly the rank's byte ranges, 16 threads, 16 MiB requests, each thread reading
+    into one buffer of its own (a fresh one per read costs a zero-filled page fault per 4 KiB)."""
     direct = args["direct"]
     piece = 16 << 20
     progress = Progress()
     jobs = [(path, off + i, min(piece, length - i)) for path, off, length in args["ranges"]
             for i in range(0, length, piece)]
+    buffers = threading.local()
 
     def read(job):
         path, offset, length = job
@@ -113,9 +115,9 @@ def run_raw(args: dict) -> dict:
         try:
             start = offset - offset % 4096 if direct else offset
             end = -(-(offset + length) // 4096) * 4096 if direct else offset + length
-            buffer = mmap.mmap(-1, end - start)
-            os.preadv(fd, [buffer], start)
-            buffer.close()
+            if not hasattr(buffers, "map"):
+                buffers.map = mmap.mmap(-1, piece + 2 * 4096)
+            os.preadv(fd, [memoryview(buffers.map)[:end - start]], start)
             progress.add(length)
         finally:
             os.close(fd)
