@@ -79,7 +79,7 @@ class BufferPool:
 
     def take(self, nbytes: int, held_bytes: int) -> mmap.mmap | None:
         """An idle buffer of nbytes' class, if there is one (event-loop thread)."""
-        self._reclaim(held_bytes)
+        self.fit(held_bytes)
         size = self.size_class(nbytes)
         for i, buffer in enumerate(self._idle):
             if len(buffer) == size:
@@ -99,7 +99,8 @@ class BufferPool:
     def give(self, buffer: mmap.mmap):
         self._retired.append(buffer)
 
-    def _reclaim(self, held_bytes: int):
+    def fit(self, held_bytes: int):
+        """Take back buffers no reply views; keep idle ones only while they fit (event-loop thread)."""
         still_viewed = []
         for buffer in self._retired:
             # references: the list, the loop variable, getrefcount's argument
