@@ -391,7 +391,10 @@ class ReadEngine:
     def buffer_stats(self) -> dict:
         return {"created": self._pool.created, "idle": len(self._pool._idle),
                 "awaiting_replies": len(self._pool._retired) + len(self._served_ranges),
-                "pushed_held": len(self._pushed)}
+                "pushed_held": len(self._pushed),
+                "mapped_bytes": sum(c.length for c in self._loaded.values() if isinstance(c.backing, np.ndarray)),
+                "buffered_bytes": sum(len(c.backing) for c in self._loaded.values() if isinstance(c.backing, mmap.mmap)),
+                "idle_bytes": sum(len(b) for b in self._pool._idle)}
 
     def drop(self):
         """Release every chunk in memory (after the load, or on request). A view read again after
@@ -489,15 +492,17 @@ class ReadEngine:
             else:
                 unviewed.append(entry[1:])
         self._served_ranges = still_viewed
-        if unviewed:
-            self._nursery.start_soon(trio.to_thread.run_sync, self._let_go_in_thread, unviewed)
-
-    def _let_go_in_thread(self, ranges: list[tuple[int, int, int]]):
         try:
-            for source, begin, end in ranges:
-                self._maps.let_go(source, begin, end)
-        except OSError as exc:  # only memory and cache left behind: worth a warning, not the mount
-            log.warning("could not unmap or uncache served source pages: %s", exc)
+            for source, begin, end in unviewed:
+                self._maps.unmap(source, begin, end)
+        except OSError as exc:  # only memory left behind: worth a warning, not the mount
+            log.warning("could not unmap served source pages: %s", exc)
+        if unviewed:
+            self._nursery.start_soon(trio.to_thread.run_sync, self._uncache, unviewed)
+
+    def _uncache(self, ranges: list[tuple[int, int, int]]):
+        for source, begin, end in ranges:
+            self._maps.uncache(source, begin, end)
 
     def _served_as_on_disk(self, chunk: Chunk) -> bool:
         return not self.direct_io and not chunk.row_bytes
@@ -507,8 +512,11 @@ class ReadEngine:
         chunk is then offered for pushing."""
         drops = self.drops
         try:
-            reused = (None if self._served_as_on_disk(chunk)
-                      else self._pool.take(chunk.read_span(self.direct_io), self.stats.held_bytes))
+            if self._served_as_on_disk(chunk):
+                reused = None
+                self._pool.fit(self.stats.held_bytes)  # buffers replies let go of: idle, or back
+            else:
+                reused = self._pool.take(chunk.read_span(self.direct_io), self.stats.held_bytes)
             chunk.backing, chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, reused,
                                                                         limiter=self._limiter)
             chunk.error = None

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import mounted, rankfs
 from fixture import deepseek_v4
+from reader.engine import DEMAND_SLACK
 
 MIB = 1 << 20
 
@@ -56,6 +57,7 @@ def vm_hwm(pid: int) -> int:
 
 
 @pytest.mark.parametrize("flags", [["--tp-size", 2, "--tp-rank", 0, "--ep-size", 2],
+                                   ["--tp-size", 4, "--tp-rank", 1],  # experts sliced
                                    ["--tp-size", 1, "--tp-rank", 0]])
 def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
     budget = 128 * MIB
@@ -86,9 +88,10 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
     # by neighbouring reads may stay until the drop)
     assert sources_cached < 0.02 * served, f"{sources_cached / MIB:.0f} MiB of the sources left in page cache"
     assert status["pushed_bytes"] > 0  # read-ahead went into the kernel's cache from the push threads
-    assert status["peak_held_bytes"] <= budget
+    assert status["peak_held_bytes"] <= budget + DEMAND_SLACK  # reads the loader waits on may overdraw
     planned = sum(v["planned_bytes"] for v in status["views"])
-    assert planned <= status["read_bytes"] <= planned + 16 * MIB  # each byte once, or nearly
+    # each byte once, or nearly: a chunk let go early is read again only for what is still wanted
+    assert planned <= status["read_bytes"] < 1.1 * planned
     assert peak < budget + 256 * MIB, f"daemon peak RSS {peak / MIB:.0f} MiB"
 
 
