@@ -78,6 +78,7 @@ class Daemon:
             "rss_bytes": psutil.Process().memory_info().rss,
             "requests": self.ops.requests,
             "request_bytes": self.ops.request_bytes,
+            "fill_bytes": self.ops.fill_bytes,
             "demand_loads": stats.demand_loads,
             "buffers": self.engine.buffer_stats(),
             "prefetch_loads": stats.prefetch_loads,

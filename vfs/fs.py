@@ -40,6 +40,7 @@ class RankFS(pyfuse3.Operations):
         self._fill = _Fill()
         self.requests = 0  # reads answered, and their bytes: the average tells the request size
         self.request_bytes = 0
+        self.fill_bytes = 0  # of them, bytes outside a rank's slices: read-around, not the loader
 
     # -- names and attributes -------------------------------------------------------------------
 
@@ -132,6 +133,7 @@ class RankFS(pyfuse3.Operations):
                     pieces.append(memoryview(served.memory)[lo:hi])
                 elif extent.kind == "fill":
                     pieces.append(self._fill.take(hi - lo))
+                    self.fill_bytes += hi - lo
                 elif extent.kind == "shared":
                     log.error("%s: EIO: this is the view shared by the local ranks; load it through "
                               "the rankfs hook (rankfs run), which sends each rank to its rank-R/ view",
