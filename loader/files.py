@@ -32,6 +32,7 @@ from loader.guard import SlicedTensor
 from loader.slabs import Slab, pack
 from plan.layout import ON_DEMAND_METADATA_KEY, SLICES_METADATA_KEY
 from plan.safetensors import DTYPE_SIZES, read_header
+from reader.device import willneed_pieces
 from reader.pages import inner_pages, madvise
 
 TORCH_DTYPES = {
@@ -62,12 +63,6 @@ UNMAP_BATCH_BYTES = 64 << 20
 # What each map reader keeps asked for, in WILLNEED calls' worth: the disk's queue then holds what
 # the loader needs next, not gigabytes that the elevator serves in sector order while it waits.
 READ_AHEAD_IN_FLIGHT = 4
-
-
-def _wait_for(fd: int, last: int, nbytes: int) -> int:
-    """Until the page at `last` is read (a piece of nbytes asked for earlier ends there)."""
-    os.pread(fd, 1, last)
-    return nbytes
 IOV_MAX = 1024
 RUN_BYTES = 16 << 20
 
@@ -288,15 +283,16 @@ class RankfsFile:
         in_flight_bytes = 0
         for fd, offset, length, path in spans:
             reach = self._hook.willneed_reach[path]
-            for piece in range(offset, offset + length, reach):
-                size = min(reach, offset + length - piece)
+            for piece, size in willneed_pieces(offset, length, reach):
                 while in_flight and in_flight_bytes + size > READ_AHEAD_IN_FLIGHT * reach:
-                    in_flight_bytes -= _wait_for(*in_flight.popleft())
+                    oldest_fd, last, oldest_size = in_flight.popleft()
+                    os.pread(oldest_fd, 1, last)  # returns once the oldest piece's last page is read
+                    in_flight_bytes -= oldest_size
                 os.posix_fadvise(fd, piece, size, os.POSIX_FADV_WILLNEED)
                 in_flight.append((fd, piece + size - 1, size))
                 in_flight_bytes += size
-        while in_flight:
-            _wait_for(*in_flight.popleft())
+        for oldest_fd, last, _ in in_flight:
+            os.pread(oldest_fd, 1, last)
 
     def _hold(self, group: int) -> bool:
         """Count the bytes of a group's mapped tensors the loader may still read against the

@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from vfs.tree import CONTROL_DIR, STATUS_FILE
+from vfs.tree import CONTROL_DIR, STATUS_FILE, flat_name
 
 
 class DropError(OSError):
@@ -31,7 +31,7 @@ def mount_root(path: str) -> str:
 def report_loaded(report_dir: str, view: str, loaded_bytes: int):
     """Tell the daemon how many of a view's bytes this process has loaded straight from the
     sources (the engine hook does), so that its status counts them with what it served."""
-    path = os.path.join(report_dir, f"{os.getpid()}.{view.replace('/', '.')}.json")
+    path = os.path.join(report_dir, f"{os.getpid()}.{flat_name(view)}.json")
     with open(path + ".tmp", "w") as f:
         json.dump({"view": view, "bytes": loaded_bytes}, f)
     os.replace(path + ".tmp", path)

@@ -27,6 +27,13 @@ def block_queue(path) -> Path | None:
     return queue if queue.exists() else device.resolve().parent / "queue"
 
 
+def willneed_pieces(offset: int, length: int, reach: int):
+    """(offset, length) of the WILLNEED calls that ask for [offset, offset + length): each as much
+    as one call reads (a call per 128 KiB cost a warm load a third of its speed)."""
+    for piece in range(offset, offset + length, reach):
+        yield piece, min(reach, offset + length - piece)
+
+
 def willneed_reach(path) -> int:
     """How many bytes one posix_fadvise(WILLNEED) reads of a file: the kernel caps each call at
     the larger of the device's readahead and its largest request."""

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from reader.device import willneed_reach
+from reader.device import willneed_pieces, willneed_reach
 from reader.pages import MADV_POPULATE_READ, covering_pages, madvise
 
 
@@ -51,8 +51,8 @@ class MappedSources:
         if end > len(source):
             raise OSError(errno.EFAULT, "beyond the end of the file")
         fd, reach = self._fd_of(index), self._reach[index]
-        for piece in range(begin, end, reach):
-            os.posix_fadvise(fd, piece, min(reach, end - piece), os.POSIX_FADV_WILLNEED)
+        for piece, size in willneed_pieces(begin, end - begin, reach):
+            os.posix_fadvise(fd, piece, size, os.POSIX_FADV_WILLNEED)
         with self._lock:
             self._live[index].append((begin, end))
         start, stop = covering_pages(begin, end)
@@ -86,7 +86,7 @@ class MappedSources:
             madvise(source.ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
 
     def uncache(self, index: int, begin: int, end: int):
-        """...and then the page cache (slower: a worker thread)."""
+        """Bytes [begin, end), unmapped, leave the page cache (slower: a worker thread)."""
         start, stop = covering_pages(begin, end)
         os.posix_fadvise(self._fd_of(index), start, stop - start, os.POSIX_FADV_DONTNEED)
 

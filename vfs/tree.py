@@ -31,9 +31,14 @@ STATUS_FILE = "status.json"
 SOURCES_DIR = "sources"
 
 
+def flat_name(view_dir: str) -> str:
+    """A view directory (`target`, `rank-1/draft`) as one file name."""
+    return view_dir.replace("/", ".")
+
+
 def sources_file(view_dir: str) -> str:
     """The control file that maps a view directory's tensors to the sources."""
-    return f"{CONTROL_DIR}/{SOURCES_DIR}/{view_dir.replace('/', '.')}.json"
+    return f"{CONTROL_DIR}/{SOURCES_DIR}/{flat_name(view_dir)}.json"
 
 
 @dataclass
