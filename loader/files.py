@@ -15,7 +15,6 @@ copied out) behind a guarded full-shape stand-in. Row-store tables stay stock mm
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import math
@@ -60,9 +59,6 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: str, name: str):
 
 
 UNMAP_BATCH_BYTES = 64 << 20
-# What each map reader keeps asked for, in WILLNEED calls' worth: the disk's queue then holds what
-# the loader needs next, not gigabytes that the elevator serves in sector order while it waits.
-READ_AHEAD_IN_FLIGHT = 4
 IOV_MAX = 1024
 RUN_BYTES = 16 << 20
 
@@ -233,7 +229,7 @@ class RankfsFile:
         may_wait = lambda: group not in self._demanded  # noqa: E731
         names = self._groups[group]
         if self._mapped_bytes[group] and self._hold(group):
-            self._read_ahead([n for n in names if n in self._mapped and n not in self._freed])
+            self._read_ahead(group, [n for n in names if n in self._mapped and n not in self._freed])
         staged = [n for n in names if n not in self._mapped]
         if not staged:
             return None, {}
@@ -263,15 +259,15 @@ class RankfsFile:
             os.posix_fadvise(fd, begin, run[-1][1] + len(run[-1][2]) - begin, os.POSIX_FADV_DONTNEED)
         return slab, offsets
 
-    def _read_ahead(self, names: list[str]):
-        """Start reading mapped tensors into page cache, in file order: the loader's own page
-        faults then find them there, or in flight. A few threads do this, a group each, in the
-        loaders' order (`Hook.map_executor`): what is in flight is what the loader needs next.
-        Each call asks for as much as one reads (a call per 128 KiB cost a warm load a third
-        of its speed, the GIL handed back and forth), and a reader keeps only a few calls' worth
-        in flight: with whole groups asked for at once the disk's queue filled with gigabytes, the
-        loader's pages waited behind them and it copied nothing until nearly all was read (cold
-        EP2 4.3-4.7 s, now 3.3-3.5). Mapping the pages here (MADV_POPULATE_READ) was slower."""
+    def _read_ahead(self, group: int, names: list[str]):
+        """Start reading mapped tensors into page cache: the loader's own page faults then find
+        them there, or in flight. Each piece is one WILLNEED call as large as one reads (a call per
+        128 KiB cost a warm load a third of its speed), queued under the group's key: the map
+        readers take the piece the loader needs first, across all open files, and each waits
+        for its piece before taking another, so the disk's queue holds what the loader needs
+        next. Whole groups asked for at once filled it with gigabytes that the elevator served in
+        sector order while the loader waited; groups a thread each started files opened early
+        before the first file (EP1 sliced: its faults read page by page behind them)."""
         spans: list[list] = []  # [fd, offset, length, path], adjacent tensors merged
         for fd, offset, length, path in sorted((self._backing[n][0], *self._mapped_span(n), self._backing[n][2])
                                                for n in names):
@@ -279,20 +275,16 @@ class RankfsFile:
                 spans[-1][2] += length
             else:
                 spans.append([fd, offset, length, path])
-        in_flight: collections.deque = collections.deque()  # (fd, last byte, bytes) of pieces asked for
-        in_flight_bytes = 0
-        for fd, offset, length, path in spans:
-            reach = self._hook.willneed_reach[path]
-            for piece, size in willneed_pieces(offset, length, reach):
-                while in_flight and in_flight_bytes + size > READ_AHEAD_IN_FLIGHT * reach:
-                    oldest_fd, last, oldest_size = in_flight.popleft()
-                    os.pread(oldest_fd, 1, last)  # returns once the oldest piece's last page is read
-                    in_flight_bytes -= oldest_size
-                os.posix_fadvise(fd, piece, size, os.POSIX_FADV_WILLNEED)
-                in_flight.append((fd, piece + size - 1, size))
-                in_flight_bytes += size
-        for oldest_fd, last, _ in in_flight:
-            os.pread(oldest_fd, 1, last)
+        pieces = [(fd, piece, size) for fd, offset, length, path in spans
+                  for piece, size in willneed_pieces(offset, length, self._hook.willneed_reach[path])]
+        for i, piece in enumerate(pieces):
+            self._hook.map_executor.submit((self.path, group, i), self._read_piece, *piece)
+
+    def _read_piece(self, fd: int, offset: int, length: int):
+        if self._fd < 0:  # closed: the loader took what it wanted
+            return
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        os.pread(fd, 1, offset + length - 1)  # returns once the piece's last page is read
 
     def _hold(self, group: int) -> bool:
         """Count the bytes of a group's mapped tensors the loader may still read against the
