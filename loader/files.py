@@ -252,8 +252,7 @@ class RankfsFile:
         reads.extend((run[0][0], run[0][1], functools.partial(_read_run, run)) for run in _runs(blocks))
         # Every free read thread helps: the group the loader needs first is filled first.
         self._hook.executor.run_all((self.path, group), [read for _, _, read in sorted(reads, key=lambda r: r[:2])])
-        if self._hook.pool.pin:
-            slab.buffer.pin()
+        self._hook.pool.filled(slab)
         # The pages are not needed twice: keep them out of MemAvailable's way. Only the ranges read:
         # between them lie other slabs' tensors (which the daemon may have pushed, for a view).
         for run in _runs(blocks, limit=False):

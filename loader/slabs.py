@@ -7,7 +7,7 @@ once the read threads have filled it (5 ms per 256 MiB on an H200 host). cudaHos
 per 256 MiB there, one thread at a time however many asked, and a warm load spent most of its time
 in it. Once its last view dies a slab's buffer is kept for the next one (still registered) while
 the budget has room, and unregistered and unmapped at release.
-Either way a slab lives exactly as long as some tensor views it; its storage's weak reference tells.
+A slab lives exactly as long as some tensor views it; its storage's weak reference tells.
 Each tensor starts 4 KiB aligned; a tensor larger than a slab gets a buffer of its own.
 """
 
@@ -121,6 +121,11 @@ class SlabPool:
             self.stats.slabs += 1
             self.stats.requests += len(names)
         return slab
+
+    def filled(self, slab: Slab):
+        """A slab's reads are done: page-lock it for DMA when the pool pins."""
+        if self.pin:
+            slab.buffer.pin()
 
     def hold(self, nbytes: int, may_wait=lambda: True):
         """Count bytes read ahead outside slabs (mapped from the sources) against the budget."""
