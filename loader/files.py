@@ -7,7 +7,7 @@ source shards (`.rankfs/sources/`), so they do not pass through FUSE at all; whe
 or the sources cannot be read here, from the virtual file.
 For loads into host memory (by default when there is no CUDA) a slab would only add a copy: the
 tensors are views of the sources' maps instead (column slices strided over whole rows), returned at
-once and read ahead into page cache by a few threads in the loaders' order; each counts against the
+once and read ahead into page cache a piece at a time in the loaders' order; each counts against the
 hook's budget from its read-ahead until the loader lets it go.
 Sliced experts hold only their slice (read as one block, or as whole rows with the rank's columns
 copied out) behind a guarded full-shape stand-in. Row-store tables stay stock mmap tensors.
