@@ -93,6 +93,18 @@ def _read_run(run: list):
         done = 0
 
 
+def _merge_adjacent(spans) -> list[list]:
+    """(key, begin, end) spans in order, those that touch (same key, one's end the next's begin)
+    joined: one call for adjacent tensors."""
+    merged: list[list] = []
+    for key, begin, end in sorted(spans):
+        if merged and merged[-1][0] == key and merged[-1][2] == begin:
+            merged[-1][2] = end
+        else:
+            merged.append([key, begin, end])
+    return merged
+
+
 _thread = threading.local()
 
 
@@ -269,15 +281,10 @@ class RankfsFile:
         next. Whole groups asked for at once filled it with gigabytes that the elevator served in
         sector order while the loader waited; groups a thread each started files opened early
         before the first file (EP1 sliced: its faults read page by page behind them)."""
-        spans: list[list] = []  # [fd, offset, length, path], adjacent tensors merged
-        for fd, offset, length, path in sorted((self._backing[n][0], *self._mapped_span(n), self._backing[n][2])
-                                               for n in names):
-            if spans and spans[-1][0] == fd and spans[-1][1] + spans[-1][2] == offset:
-                spans[-1][2] += length
-            else:
-                spans.append([fd, offset, length, path])
-        pieces = [(fd, piece, size) for fd, offset, length, path in spans
-                  for piece, size in willneed_pieces(offset, length, self._hook.willneed_reach[path])]
+        spans = _merge_adjacent(((self._backing[n][0], self._backing[n][2]), offset, offset + nbytes)
+                                for n in names for offset, nbytes in [self._mapped_span(n)])
+        pieces = [(fd, piece, size) for (fd, path), begin, end in spans
+                  for piece, size in willneed_pieces(begin, end - begin, self._hook.willneed_reach[path])]
         for i, piece in enumerate(pieces):
             self._hook.map_executor.submit((self.path, group, i), self._read_piece, *piece)
 
@@ -342,14 +349,8 @@ class RankfsFile:
             self._let_go_bytes += nbytes
             if self._let_go_bytes < UNMAP_BATCH_BYTES:
                 return
-            spans, self._let_go_spans, self._let_go_bytes = sorted(self._let_go_spans), [], 0
-        merged: list[list] = []
-        for path, begin, end in spans:
-            if merged and merged[-1][0] == path and merged[-1][2] == begin:
-                merged[-1][2] = end
-            else:
-                merged.append([path, begin, end])
-        for path, begin, end in merged:
+            spans, self._let_go_spans, self._let_go_bytes = self._let_go_spans, [], 0
+        for path, begin, end in _merge_adjacent(spans):
             start, stop = inner_pages(begin, end)
             if stop > start:  # the GIL is let go while the kernel unmaps
                 madvise(self._maps[path].ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
