@@ -24,9 +24,10 @@ def test_queued_reads_run_in_the_loaders_order():
 
 def test_shutdown_cancels_what_has_not_started():
     pool = OrderedExecutor(1, "test")
-    gate = threading.Event()
-    running = pool.submit(0, gate.wait)
+    gate, started = threading.Event(), threading.Event()
+    running = pool.submit(0, lambda: (started.set(), gate.wait()))
     queued = pool.submit(1, lambda: None)
+    started.wait(10)  # shut down once the first has started (else both are cancelled)
     threading.Timer(0.1, gate.set).start()
     pool.shutdown()
     assert running.done() and not running.cancelled() and queued.cancelled()
