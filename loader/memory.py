@@ -1,18 +1,18 @@
-"""Where the memory is: the figures the KV pool will be sized from, before and after release.
+"""Where the memory is: the figures the KV pool will be sized from, before and after a release.
 
 SGLang sizes the KV pool from MemAvailable on unified-memory machines, so everything a load leaves
 behind (page cache, pinned or pageable staging, allocator arenas, driver state) shows up here.
+Standard library only: CUDA's figures come from the engine's torch, where it has imported one, and
+never start CUDA.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
+import sys
 
-import torch
+from rankfs.contract import GIB
 
-GIB = 1 << 30
 MEMINFO_FIELDS = ("MemTotal", "MemFree", "MemAvailable", "Buffers", "Cached", "Mapped", "AnonPages",
                   "Shmem", "Slab", "KernelStack", "PageTables", "SecPageTables", "Unevictable")
 
@@ -28,13 +28,21 @@ def meminfo() -> dict[str, int]:
     return values
 
 
+def _cuda():
+    """torch.cuda, where the process has imported torch and started CUDA; else None."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
+
+
 def unified_memory() -> bool:
     """An integrated GPU (DGX Spark / GB10): CUDA's memory is the host's memory."""
-    return bool(torch.cuda.is_available() and torch.cuda.get_device_properties(0).is_integrated)
+    cuda = _cuda()
+    return bool(cuda and cuda.get_device_properties(0).is_integrated)
 
 
 def cuda_reserved() -> int:
-    return torch.cuda.memory_reserved() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    cuda = _cuda()
+    return cuda.memory_reserved() if cuda else 0
 
 
 def nvml_process_bytes() -> int | None:
@@ -58,35 +66,47 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def snapshot() -> dict:
+def snapshot(with_nvml: bool = False) -> dict:
     info = meminfo()
     reserved = cuda_reserved()
     counted = sum(info[k] for k in ("MemFree", "Buffers", "Cached", "AnonPages", "Slab", "KernelStack",
                                     "PageTables", "SecPageTables"))
     return {**{k.lower(): v for k, v in info.items()}, "cuda_reserved": reserved,
-            "nvml_process": nvml_process_bytes(), "rss": rss(),
+            "nvml_process": nvml_process_bytes() if with_nvml else None, "rss": rss(),
             # What no counter explains (on unified memory CUDA's reservation is host memory too).
             "unaccounted": info["MemTotal"] - counted - reserved}
 
 
 def malloc_trim():
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    import ctypes
+    libc = ctypes.CDLL(None)
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
 
 
 def return_pinned_and_cached():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        empty_host = getattr(torch._C, "_host_emptyCache", None)
+    """CUDA's caching allocator and torch's pinned host cache hand their free blocks back."""
+    cuda = _cuda()
+    if cuda:
+        cuda.synchronize()
+        cuda.empty_cache()
+        empty_host = getattr(sys.modules["torch"]._C, "_host_emptyCache", None)
         if empty_host is not None:
             empty_host()
 
 
+def host_alloc_count() -> int | None:
+    """torch's pinned host allocations so far (the hook makes none of its own)."""
+    cuda = _cuda()
+    try:
+        return cuda.host_memory_stats().get("num_host_alloc") if cuda else None
+    except Exception:
+        return None
+
+
 BYTE_FIELDS = {k.lower() for k in MEMINFO_FIELDS} | {
     "cuda_reserved", "nvml_process", "rss", "unaccounted", "mem_available_before", "peak_slab_bytes",
-    "nontorch_since_load_start"}
+    "nontorch_since_load_start", "pinned_bytes"}
 
 
 def format_line(figures: dict) -> str:

@@ -1,25 +1,27 @@
-"""What a mount serves and how; light to import, since `rankfs mount` only passes it on."""
+"""What a mount serves and how: the typed settings `rankfs mount` hands to its daemon."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 
-import psutil
+from rankfs.contract import GIB
+from rankfs.plan.spec import RankSpec
 
-from plan.layout import RankSpec
+DEFAULT_BUDGET_BYTES = GIB  # a tenth of a second of a fast NVMe array
+SMALL_HOST_BUDGET_BYTES = GIB // 4
 
-GIB = 1 << 30
 
-
-@dataclass
+@dataclass(frozen=True)
 class MountConfig:
     checkpoint: str
     mountpoint: str
-    specs: list[RankSpec]
+    specs: tuple[RankSpec, ...]
+    budget_bytes: int  # memory the daemon may hold for read-ahead
     profile: str | None = None
-    budget_bytes: int = 2 * GIB
-    workers: int = 8
+    workers: int = 8  # parallel backing reads
     direct_io: bool = False
     push: bool = True
     readahead_kb: int = 16384
@@ -27,12 +29,22 @@ class MountConfig:
     congestion_threshold: int = 48
     allow_other: bool = False
     allow_outside_symlinks: bool = False
+    fuse_options: tuple[str, ...] = ()  # passed to libfuse (-o)
+    debug_fuse: bool = False
     log_file: str | None = None
     started: float = field(default_factory=time.time)
 
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "specs": [dataclasses.asdict(s) for s in self.specs]})
 
-def default_budget_bytes() -> int:
-    """1 GiB (a tenth of a second of a fast NVMe array), less on a host with under 8 GiB free."""
-    return int(min(GIB, max(GIB // 4, psutil.virtual_memory().available // 8)))
+    @classmethod
+    def from_json(cls, text: str) -> "MountConfig":
+        raw = json.loads(text)
+        raw["specs"] = tuple(RankSpec(**s) for s in raw["specs"])
+        raw["fuse_options"] = tuple(raw["fuse_options"])
+        return cls(**raw)
 
 
+def default_budget_bytes(available_bytes: int) -> int:
+    """1 GiB, less on a host with under 8 GiB available (an eighth of it, at least 256 MiB)."""
+    return int(min(DEFAULT_BUDGET_BYTES, max(SMALL_HOST_BUDGET_BYTES, available_bytes // 8)))

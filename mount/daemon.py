@@ -1,4 +1,5 @@
-"""The mount's lifecycle: plan, mount, tune, serve until unmounted, and report live figures.
+"""The mount's lifecycle: plan, mount, tune, serve until unmounted, report live figures and carry
+out the commands written to the control file.
 
 `serve()` runs in the daemon process. It reports readiness (or the error that stopped it) on a pipe
 to the `rankfs mount` that started it, so that command exits 0 only once the views can be read.
@@ -9,25 +10,25 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import time
 
 import psutil
 import pyfuse3
 import trio
 
-from mount import control, kernel
-from mount.config import MountConfig
-from plan.checkpoint import Checkpoint
-from plan.layout import RankLayout, plan_ranks
-from reader.engine import ReadEngine
-from vfs.fs import RankFS
-from vfs.push import push_prefetched
-from vfs.tree import Tree
+from rankfs import contract
+from rankfs.mount import kernel
+from rankfs.mount.config import MountConfig
+from rankfs.plan.checkpoint import Checkpoint
+from rankfs.plan.layout import RankLayout, plan_ranks
+from rankfs.reader.engine import ReadEngine
+from rankfs.vfs.fs import RankFS
+from rankfs.vfs.push import push_prefetched
+from rankfs.vfs.tree import Tree
 
 log = logging.getLogger("rankfs.daemon")
+
 
 def plan(config: MountConfig) -> list[RankLayout]:
     checkpoint = Checkpoint.open(config.checkpoint, config.allow_outside_symlinks)
@@ -39,20 +40,50 @@ class Daemon:
         self.config = config
         self.layouts = layouts
         self.engine = ReadEngine(layouts[0].sources, config.budget_bytes, config.workers, config.direct_io)
-        self.tree = Tree(layouts, self.engine, self.status_json)
-        self.ops = RankFS(self.tree, self.engine)
+        self.tree = Tree(layouts, self.engine, self.status_json, allow_other=config.allow_other)
+        self.ops = RankFS(self.tree, self.engine, self.command)
         self._rate = (time.monotonic(), 0, 0.0)  # (when, bytes read then, bytes/s)
         self.tuning: dict = {}
-        self.drops = 0  # completed `rankfs drop`s: the command waits for this to move
-        # Where engine hooks, reading the sources directly, report what they have loaded. They may
-        # run as any user: world-writable, sticky, like /tmp.
-        self.hook_reports = tempfile.mkdtemp(prefix="rankfs-hooks-")
-        os.chmod(self.hook_reports, 0o1777)
+        self.drops = 0
+        # {(pid, view): bytes} engine hooks have loaded straight from the sources
+        self.hook_loaded: dict[tuple[int, str], int] = {}
+
+    async def command(self, text: str, pid: int):
+        """A command written to the control file (rankfs.contract); ValueError if unknown."""
+        verb, args = contract.parse_command(text)
+        if verb == contract.DROP:
+            await self.drop()
+        else:
+            view, loaded = args
+            self.hook_loaded[(pid, view)] = int(loaded)
+            self.engine.hooked(view)
+
+    async def drop(self):
+        """Release the read engine's memory and the views' page cache."""
+        self.engine.drop()
+        await trio.to_thread.run_sync(self.invalidate_page_cache)
+        self.drops += 1
+        log.info("dropped the read engine's buffers and the views' page cache")
+
+    def invalidate_page_cache(self):
+        """Drop the kernel's page cache of every virtual file (blocking: run it in a thread)."""
+        for node in self.tree.files():
+            try:
+                pyfuse3.invalidate_inode(node.inode, attr_only=False)
+            except OSError:
+                pass  # never looked up by the kernel: nothing cached
+
+    def _loaded_by_hooks(self) -> dict[str, int]:
+        """{view: bytes}; a view loaded twice (an engine restarted) counts its larger load."""
+        loaded: dict[str, int] = {}
+        for (_, view), nbytes in self.hook_loaded.items():
+            loaded[view] = max(loaded.get(view, 0), nbytes)
+        return loaded
 
     def status(self) -> dict:
-        stats = self.engine.stats
+        stats, budget = self.engine.stats, self.engine.budget
         read_total = sum(stats.read_bytes.values())
-        hooks = control.loaded_by_hooks(self.hook_reports)
+        hooks = self._loaded_by_hooks()
         when, before, rate = self._rate
         now = time.monotonic()
         if now - when >= 1.0:
@@ -65,25 +96,25 @@ class Daemon:
             "started": self.config.started,
             "profile": self.layouts[0].profile,
             "ranks": [layout.spec.describe() for layout in self.layouts],
-            "views": [{"view": s.name, "planned_bytes": s.planned_bytes, "served_bytes": s.served_bytes,
-                       "hook_loaded_bytes": hooks.get(s.name, 0), "active": s.active}
-                      for s in self.engine.streams.values()],
-            "hook_reports": self.hook_reports,
+            "views": [{"view": v.name, "planned_bytes": v.planned_bytes, "served_bytes": v.served_bytes,
+                       "hook_loaded_bytes": hooks.get(v.name, 0), "active": v.active or v.name in hooks}
+                      for v in self.engine.views.values()],
             "read_bytes": read_total,
             "on_demand_read_bytes": stats.on_demand_read_bytes,
             "read_rate_bytes_per_s": rate,
-            "held_bytes": stats.held_bytes,
-            "peak_held_bytes": stats.peak_held_bytes,
-            "budget_bytes": self.config.budget_bytes,
+            "held_bytes": budget.used,
+            "peak_held_bytes": budget.peak,
+            "budget_bytes": budget.limit,
             "rss_bytes": psutil.Process().memory_info().rss,
             "requests": self.ops.requests,
             "request_bytes": self.ops.request_bytes,
             "fill_bytes": self.ops.fill_bytes,
             "demand_loads": stats.demand_loads,
-            "buffers": self.engine.buffer_stats(),
             "prefetch_loads": stats.prefetch_loads,
             "pushed_bytes": stats.pushed_bytes,
             "remnant_bytes": stats.remnant_bytes,
+            "uncache_pending_bytes": stats.uncache_pending_bytes,
+            "memory": self.engine.memory(),
             "errors": stats.errors,
             "drops": self.drops,
             "tuning": self.tuning,
@@ -92,14 +123,6 @@ class Daemon:
 
     def status_json(self) -> bytes:
         return json.dumps(self.status(), indent=2).encode() + b"\n"
-
-    def invalidate_page_cache(self):
-        """Drop the kernel's page cache of every virtual file (blocking: run it in a thread)."""
-        for node in self.tree.files():
-            try:
-                pyfuse3.invalidate_inode(node.inode, attr_only=False)
-            except OSError:
-                pass  # never looked up by the kernel: nothing cached
 
     async def run(self, on_ready):
         async with trio.open_nursery() as nursery:
@@ -112,7 +135,7 @@ class Daemon:
             nursery.cancel_scope.cancel()  # unmounted from outside: fusermount -u
 
     async def _after_start(self, on_ready):
-        entry = kernel.find_mount(self.config.mountpoint)
+        entry = contract.find_mount(self.config.mountpoint)
         if entry is not None:
             self.tuning = await trio.to_thread.run_sync(
                 kernel.tune, entry, self.config.readahead_kb, self.config.max_background,
@@ -120,20 +143,14 @@ class Daemon:
         on_ready()
 
     async def _signals(self, cancel_scope):
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                if signum == signal.SIGUSR1:
-                    self.engine.drop()
-                    await trio.to_thread.run_sync(self.invalidate_page_cache)
-                    self.drops += 1
-                    log.info("dropped the read engine's buffers and the views' page cache")
-                else:
-                    log.info("signal %s: unmounting", signal.Signals(signum).name)
-                    cancel_scope.cancel()
-                    return
+                log.info("signal %s: unmounting", signal.Signals(signum).name)
+                cancel_scope.cancel()
+                return
 
 
-def serve(config: MountConfig, ready_fd: int | None):
+def serve(config: MountConfig, ready_fd: int | None) -> int:
     """Plan, mount and serve until unmounted. Reports 'ready' or 'error: ...' on ready_fd."""
 
     def report(message: str):
@@ -147,9 +164,11 @@ def serve(config: MountConfig, ready_fd: int | None):
         for warning in layouts[0].warnings:
             log.warning("%s", warning)
         daemon = Daemon(config, layouts)
-        options = {"fsname=rankfs", "subtype=rankfs", "ro", "default_permissions", "noatime"}
+        options = {"fsname=rankfs", "subtype=rankfs", "default_permissions", "noatime", *config.fuse_options}
         if config.allow_other:
             options.add("allow_other")
+        if config.debug_fuse:
+            options.add("debug")
         pyfuse3.init(daemon.ops, config.mountpoint, options)
     except Exception as exc:  # every failure before the mount is the user's answer
         report(f"error: {exc}")
@@ -158,9 +177,21 @@ def serve(config: MountConfig, ready_fd: int | None):
     try:
         trio.run(daemon.run, lambda: report(
             f"ready: {config.mountpoint} serves {', '.join(s.describe() for s in config.specs)}"))
-        unmounted = kernel.find_mount(config.mountpoint) is None
+        unmounted = contract.find_mount(config.mountpoint) is None
     finally:
         pyfuse3.close(unmount=not unmounted)
-        shutil.rmtree(daemon.hook_reports, ignore_errors=True)
         log.info("unmounted %s", config.mountpoint)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """The daemon process, started by `rankfs mount`: python -m rankfs.mount.daemon CONFIG READY_FD.
+    Its stdout and stderr are the log file."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config_json, ready_fd = argv
+    return serve(MountConfig.from_json(config_json), int(ready_fd))
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1:]))

@@ -8,39 +8,13 @@ import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
+
+from rankfs.contract import FSTYPE, MountEntry, find_mount
 
 log = logging.getLogger("rankfs.kernel")
 
-FSTYPE = "fuse.rankfs"
 FUSECTL = Path("/sys/fs/fuse/connections")
-
-
-@dataclass(frozen=True)
-class MountEntry:
-    mountpoint: str
-    device: str  # "major:minor"
-    fstype: str
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal
-    return field.encode().decode("unicode_escape")
-
-
-def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
-    """The mount at exactly this path, from /proc/self/mountinfo (never touches the mount itself,
-    so it works while our own daemon cannot answer yet, and on dead mounts)."""
-    target = os.path.abspath(mountpoint)
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            if _unescape(fields[4]) == target:
-                found = MountEntry(target, fields[2], right.split()[0])  # the last one is on top
-    return found
 
 
 def health(mountpoint: str | os.PathLike) -> str:
@@ -68,23 +42,29 @@ def _write(path: Path, value: int) -> bool:
         return False
 
 
+def connection(entry: MountEntry) -> Path:
+    """The mount's FUSE connection in fusectl (its limits, its waiting requests, abort); mounts
+    fusectl first where root can and it is not mounted."""
+    path = FUSECTL / entry.device.split(":")[1]
+    if not path.exists() and os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSECTL)], capture_output=True)
+    return path
+
+
 def tune(entry: MountEntry, readahead_kb: int, max_background: int, congestion_threshold: int) -> dict:
     """Large readahead and a deep background queue, so page faults become large parallel reads.
     Needs root; without it the mount works with the kernel defaults (logged)."""
     done = {"read_ahead_kb": _write(Path(f"/sys/class/bdi/{entry.device}/read_ahead_kb"), readahead_kb)}
-    minor = entry.device.split(":")[1]
-    if not (FUSECTL / minor).exists() and os.geteuid() == 0:
-        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSECTL)], capture_output=True)
-    connection = FUSECTL / minor
+    fuse = connection(entry)
     # Raise the limit before the threshold: the kernel refuses a threshold above the limit.
-    done["max_background"] = _write(connection / "max_background", max_background)
-    done["congestion_threshold"] = _write(connection / "congestion_threshold", congestion_threshold)
+    done["max_background"] = _write(fuse / "max_background", max_background)
+    done["congestion_threshold"] = _write(fuse / "congestion_threshold", congestion_threshold)
     return done
 
 
 def abort(entry: MountEntry) -> bool:
     """End a hung connection (a daemon stuck or stopped): every waiting request fails with ENOTCONN."""
-    return _write(FUSECTL / entry.device.split(":")[1] / "abort", 1)
+    return _write(connection(entry) / "abort", 1)
 
 
 def unmount(mountpoint: str | os.PathLike, lazy: bool = False) -> subprocess.CompletedProcess:

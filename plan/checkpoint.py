@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from plan.errors import CheckpointError
-from plan.safetensors import ShardHeader, TensorEntry, read_header
+from rankfs.plan.errors import CheckpointError
+from rankfs.plan.safetensors import ShardHeader, TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -60,12 +60,6 @@ class Checkpoint:
         others = tuple((n, SourceFile.stat(files[n])) for n in sorted(files)
                        if not n.endswith(".safetensors") and n != INDEX_NAME)
         return cls(root, config, shards, shard_sources, others)
-
-    def tensors(self):
-        """(shard, entry) for every tensor, shards in name order, tensors in file order."""
-        for shard in self.shards:
-            for entry in shard.tensors.values():
-                yield shard, entry
 
 
 def _top_level_files(root: Path, allow_outside_symlinks: bool) -> dict[str, Path]:

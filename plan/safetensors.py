@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from plan.errors import CheckpointError
+from rankfs.plan.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGN = 8

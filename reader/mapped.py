@@ -17,8 +17,7 @@ import threading
 
 import numpy as np
 
-from reader.device import willneed_pieces, willneed_reach
-from reader.pages import MADV_POPULATE_READ, covering_pages, madvise
+from rankfs.reader.io import MADV_POPULATE_READ, covering_pages, madvise, willneed_pieces, willneed_reach
 
 
 LARGEST_FOLIO = 2 << 20  # the page cache's largest folio on x86-64 (a PMD)
@@ -85,10 +84,11 @@ class MappedSources:
         for start, stop in pieces:
             madvise(source.ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
 
-    def uncache(self, index: int, begin: int, end: int):
-        """Bytes [begin, end), unmapped, leave the page cache (slower: a worker thread)."""
-        start, stop = covering_pages(begin, end)
-        os.posix_fadvise(self._fd_of(index), start, stop - start, os.POSIX_FADV_DONTNEED)
+    def uncache_all(self, ranges: list[tuple[int, int, int]]):
+        """(source, begin, end) ranges, unmapped, leave the page cache (slower: a worker thread)."""
+        for index, begin, end in ranges:
+            start, stop = covering_pages(begin, end)
+            os.posix_fadvise(self._fd_of(index), start, stop - start, os.POSIX_FADV_DONTNEED)
 
     def forget(self):
         """Nothing stays mapped (after a load)."""

@@ -1,26 +1,33 @@
-"""Shared fixtures: generated checkpoints, and real mounts made with the `rankfs` command line."""
+"""Shared fixtures: generated checkpoints, and real mounts made with the `rankfs` command line.
+
+Tests marked `mount` mount real FUSE filesystems: they need root (they mount, and set kernel
+tunables) and /dev/fuse, and fail without them (a machine that cannot mount is a failed run, not a
+skip). The others run as any user."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from fixture import deepseek_v4
-from mount.session import ROOT, mounted, rankfs  # noqa: F401  (the tests import them from here)
+from dev.fixtures import deepseek_v4
+from dev.session import ROOT, mounted, rankfs  # noqa: F401  (the tests import them from here)
 
 
-def pytest_sessionstart(session):
-    # The tests mount real FUSE filesystems. A machine that cannot is a failed run, not a skip.
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("mount") is None:
+        return
     problems = []
     if not os.path.exists("/dev/fuse"):
         problems.append("/dev/fuse is missing")
     if os.geteuid() != 0:
-        problems.append("the tests must run as root (they mount and set kernel tunables)")
+        problems.append("not root")
     if problems:
-        pytest.exit("rankfs tests cannot run: " + "; ".join(problems), returncode=3)
+        pytest.fail("this test mounts a FUSE filesystem and sets kernel tunables: " + "; ".join(problems),
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -54,5 +61,4 @@ def expected_view(names, n_experts: int, draft_experts: int, ep_size: int, ep_ra
 @pytest.fixture
 def copied_checkpoint(tiny_checkpoint, tmp_path) -> Path:
     """A private copy, for tests that damage it."""
-    import shutil
     return Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))

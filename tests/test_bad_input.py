@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import rankfs
-from mount import kernel
-from plan.errors import CheckpointError
-from plan.safetensors import HeaderError, encode_header, parse_header
+from rankfs.mount import kernel
+from rankfs.plan.errors import CheckpointError
+from rankfs.plan.safetensors import HeaderError, encode_header, parse_header
 
 SHARD = "model-00002-of-00006.safetensors"
 

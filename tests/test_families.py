@@ -7,12 +7,13 @@ import re
 import pytest
 import torch
 
-from bench.engine_like import MoELayout, expert_counts, load, shard_files
+from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
 from conftest import mounted, rankfs
-from fixture import hf
-from plan.checkpoint import Checkpoint
-from plan.layout import RankSpec, plan_rank
-from plan.profiles import BY_NAME
+from dev.fixtures import hf
+from rankfs.plan.checkpoint import Checkpoint
+from rankfs.plan.layout import plan_rank
+from rankfs.plan.spec import RankSpec
+from rankfs.plan.profiles import BY_NAME
 
 # Written independently of rankfs' profiles: (expert regex, draft test)
 NAMES = {
@@ -41,6 +42,7 @@ def raw(t):
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+@pytest.mark.mount
 @pytest.mark.parametrize("tp_size,ep_size", [(2, 2), (4, 1)])
 def test_every_rank_holds_its_tensors_bitwise(family, mount_dir, tp_size, ep_size):
     name, checkpoint = family
@@ -70,6 +72,7 @@ def test_every_rank_holds_its_tensors_bitwise(family, mount_dir, tp_size, ep_siz
                 del got
 
 
+@pytest.mark.mount
 def test_full_view_loads_with_from_pretrained(family, mount_dir):
     from transformers import AutoModelForCausalLM
     name, checkpoint = family

@@ -19,12 +19,16 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, mounted, rankfs
-from mount import kernel
+from rankfs import contract
+from rankfs.mount import kernel
+from rankfs.mount.launch import wait_gone
+
+pytestmark = pytest.mark.mount
 
 LOADER = """
 import sys
-from bench.engine_like import MoELayout, load
-from plan.profiles import BY_NAME
+from dev.bench.engine_like import MoELayout, load
+from rankfs.plan.profiles import BY_NAME
 load(sys.argv[1], BY_NAME["deepseek-v4"], MoELayout(4, 1, 1, 0, n_experts=16))
 print("LOADED")
 """
@@ -88,7 +92,7 @@ def test_backing_read_error_gives_eio(copied_checkpoint, tmp_path):
 
 STEPPED_LOADER = """
 import sys, torch
-from bench.engine_like import shard_files
+from dev.bench.engine_like import shard_files
 from safetensors import safe_open
 for i, path in enumerate(shard_files(sys.argv[1])):
     with safe_open(path, "pt") as f:
@@ -104,12 +108,12 @@ def test_killed_daemon_fails_the_loader_and_is_cleaned_up(tiny_checkpoint, mount
     mount_dir.mkdir()
     rankfs("mount", tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--log", mount_dir.parent / "log")
     try:
-        pid = json.loads((mount_dir / ".rankfs" / "status.json").read_text())["pid"]
+        pid = contract.read_status(str(mount_dir))["pid"]
         loader = subprocess.Popen([sys.executable, "-c", STEPPED_LOADER, str(mount_dir / "target")], cwd=ROOT,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert loader.stdout.readline().startswith("done 0")
         os.kill(pid, signal.SIGKILL)  # mid-load: one file read, the rest not
-        time.sleep(0.5)
+        assert wait_gone(pid, 30)
         out, _ = loader.communicate("go\n" * 10, timeout=60)
         assert "LOADED" not in out and loader.returncode != 0
         with pytest.raises(OSError) as info:
@@ -128,15 +132,18 @@ def test_force_unmount_ends_a_stopped_daemon(tiny_checkpoint, mount_dir):
     """A daemon that hangs (here: stopped) leaves readers waiting; --force aborts the connection."""
     mount_dir.mkdir()
     rankfs("mount", tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--log", mount_dir.parent / "log")
-    pid = json.loads((mount_dir / ".rankfs" / "status.json").read_text())["pid"]
+    pid = contract.read_status(str(mount_dir))["pid"]
     shard = sorted((mount_dir / "target").glob("*.safetensors"))[0]
+    waiting = kernel.connection(kernel.find_mount(mount_dir)) / "waiting"
     os.kill(pid, signal.SIGSTOP)
     reader = subprocess.Popen(["cat", str(shard)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)
-    assert reader.poll() is None  # waiting on the stopped daemon
     try:
-        assert rankfs("umount", "--force", mount_dir).returncode == 0
+        deadline = time.monotonic() + 30
+        while int(waiting.read_text()) == 0 and time.monotonic() < deadline:  # its request reaches the kernel
+            time.sleep(0.01)
+        assert int(waiting.read_text()) > 0 and reader.poll() is None  # waiting on the stopped daemon
+        assert "connection aborted" in rankfs("umount", "--force", mount_dir).stdout
         assert reader.wait(timeout=30) != 0
         assert kernel.find_mount(mount_dir) is None
     finally:
@@ -165,12 +172,21 @@ def test_other_users_need_allow_other(tiny_checkpoint):
     def read_as_nobody(path):
         return subprocess.run(["head", "-c", "1", str(path)], preexec_fn=lambda: os.setuid(65534),
                               capture_output=True, text=True)
+
+    def drop_as_nobody(mnt):
+        return subprocess.run(["sh", "-c", f"echo drop > {mnt / contract.CONTROL_DIR / contract.COMMAND_FILE}"],
+                              preexec_fn=lambda: os.setuid(65534), capture_output=True, text=True)
     try:
         with mounted(tiny_checkpoint, base / "private", "--tp-size", 1, "--tp-rank", 0) as mnt:
             result = read_as_nobody(mnt / "target" / "config.json")
             assert result.returncode != 0 and "Permission denied" in result.stderr
-        with mounted(tiny_checkpoint, base / "shared", "--tp-size", 1, "--tp-rank", 0, "--allow-other") as mnt:
+            result = drop_as_nobody(mnt)
+            assert result.returncode != 0 and "Permission denied" in result.stderr
+            assert contract.read_status(str(mnt))["drops"] == 0
+        with mounted(tiny_checkpoint, base / "shared", "--tp-size", 1, "--tp-rank", 0, "-o", "allow_other") as mnt:
             assert read_as_nobody(mnt / "target" / "config.json").returncode == 0
+            assert drop_as_nobody(mnt).returncode == 0  # the engine may run as another user
+            assert contract.read_status(str(mnt))["drops"] == 1
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -185,7 +201,7 @@ def expected_bytes(virtual: Path, checkpoint: Path) -> bytes:
     (n,) = struct.unpack("<Q", head)
     header = json.loads(virtual.open("rb").read(8 + n)[8:])
     meta = header.pop("__metadata__", {})
-    slices = json.loads(meta.get("rankfs.slices", "{}"))
+    slices = json.loads(meta.get(contract.SLICES_KEY, "{}"))
     index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
     out = bytearray(virtual.open("rb").read(8 + n))
     sizes = {"I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F32": 4}
@@ -208,17 +224,21 @@ def expected_bytes(virtual: Path, checkpoint: Path) -> bytes:
     return bytes(out)
 
 
+OPERATIONS_PER_READER = 60
+
+
 def test_soak_many_readers_every_pattern(tiny_checkpoint, mount_dir):
+    """16 readers, OPERATIONS_PER_READER operations each: whole reads, ranges, O_DIRECT, mmap, and
+    page-cache drops that force fresh reads through the daemon; every byte checked."""
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 2, "--inflight-gb", 0.02):
         files = sorted((mount_dir / "target").glob("*.safetensors")) + \
             sorted((mount_dir / "draft").glob("*.safetensors"))
         expected = {f: expected_bytes(f, tiny_checkpoint) for f in files}
-        deadline = time.monotonic() + 40
-        errors, operations = [], [0]
+        checked = [0] * 16  # reads compared, per thread
 
         def worker(seed):
             rng = random.Random(seed)
-            while time.monotonic() < deadline and not errors:
+            for _ in range(OPERATIONS_PER_READER):
                 path = rng.choice(files)
                 want = expected[path]
                 kind = rng.choice(["range", "whole", "direct", "mmap", "drop"])
@@ -248,16 +268,16 @@ def test_soak_many_readers_every_pattern(tiny_checkpoint, mount_dir):
                             got = m[start:start + rng.randint(1, 1 << 20)]
                     if got != want[start:start + len(got)] or (kind == "whole" and len(got) != len(want)):
                         errors.append(f"{kind} read of {path.name} at {start} differs")
-                    operations[0] += 1
+                    checked[seed] += 1
                 except Exception as exc:  # any error is a failure of the soak
                     errors.append(f"{kind} read of {path.name}: {exc!r}")
 
+        errors: list[str] = []  # list.append is atomic: the threads share it
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         assert not errors, errors[:5]
-        assert operations[0] > 200
-        status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
-        assert status["errors"] == 0
+        assert sum(checked) > 0.7 * 16 * OPERATIONS_PER_READER  # all but the drops were reads, checked
+        assert contract.read_status(str(mount_dir))["errors"] == 0

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from conftest import expected_view, mounted
-from fixture import deepseek_v4
+from dev.fixtures import deepseek_v4
+
+pytestmark = pytest.mark.mount
 
 SPEC = deepseek_v4.FixtureSpec.tiny()
 

@@ -3,44 +3,17 @@ checkpoint several times larger, and after `rankfs drop` the views hold no page 
 
 from __future__ import annotations
 
-import ctypes
-import json
-import mmap
-import os
 import time
 
 import pytest
 
 from conftest import mounted, rankfs
-from fixture import deepseek_v4
-from reader.engine import DEMAND_SLACK
+from dev.fixtures import deepseek_v4
+from memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
+from rankfs import contract
+from rankfs.reader.engine import DEMAND_SLACK
 
-MIB = 1 << 20
-
-
-def resident_pages(path) -> int:
-    """Pages of a file in the page cache: mincore over a private read-only map (faults nothing in)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap")
-        vec = (ctypes.c_ubyte * pages)()
-        try:
-            if libc.mincore(address, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore")
-        finally:
-            libc.munmap(address, size)
-        return sum(v & 1 for v in vec)
-    finally:
-        os.close(fd)
+pytestmark = pytest.mark.mount
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +24,13 @@ def large_checkpoint(tmp_path_factory):
     return deepseek_v4.write(tmp_path_factory.mktemp("large") / "dsv4", spec)
 
 
-def vm_hwm(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+def settled_status(mount_dir, timeout: float = 30):
+    """The daemon's status once it has dropped every served source page from the page cache (a
+    thread of its own does that, just after the replies)."""
+    deadline = time.monotonic() + timeout
+    while (status := contract.read_status(str(mount_dir)))["uncache_pending_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return status
 
 
 @pytest.mark.parametrize("flags", [["--tp-size", 2, "--tp-rank", 0, "--ep-size", 2],
@@ -63,26 +40,17 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
     budget = 128 * MIB
     sources = sorted(large_checkpoint.glob("*.safetensors"))
     data = sum(p.stat().st_size for p in sources)
-    for source in sources:  # none of it cached: what is cached afterwards, rankfs left behind
-        fd = os.open(source, os.O_RDONLY)
-        os.fsync(fd)  # just written: dirty pages stay cached
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    uncache(sources)  # none of it cached: what is cached afterwards, rankfs left behind
     with mounted(large_checkpoint, mount_dir, *flags, "--inflight-gb", budget / (1 << 30)):
-        status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
+        status = contract.read_status(str(mount_dir))
         served = 0
         for shard in sorted((mount_dir / "target").glob("*.safetensors")):
             with open(shard, "rb") as f:
                 while chunk := f.read(16 * MIB):
                     served += len(chunk)
         peak = vm_hwm(status["pid"])
-        status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
-        # served pages are let go by a thread of the daemon's, just after the reply
-        for _ in range(50):
-            sources_cached = sum(resident_pages(p) for p in sources) * mmap.PAGESIZE
-            if sources_cached < 0.02 * served:
-                break
-            time.sleep(0.1)
+        status = settled_status(mount_dir)
+        sources_cached = cached_bytes(sources)
     assert data > 4 * budget and served > 2 * budget
     # nothing cached twice: the sources' pages left the cache once served (headers and pages shared
     # by neighbouring reads may stay until the drop)

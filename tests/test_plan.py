@@ -8,10 +8,11 @@ import struct
 import pytest
 
 from conftest import mounted, rankfs
-from fixture import deepseek_v4
-from plan.checkpoint import Checkpoint
-from plan.layout import RankSpec, plan_rank, plan_ranks
-from plan.safetensors import DTYPE_SIZES, parse_header
+from dev.fixtures import deepseek_v4
+from rankfs.plan.checkpoint import Checkpoint
+from rankfs.plan.layout import plan_rank, plan_ranks
+from rankfs.plan.spec import RankSpec
+from rankfs.plan.safetensors import DTYPE_SIZES, parse_header
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def test_runs_know_when_the_loaders_need_each_tensor(tiny_checkpoint):
             runs = [e for e in vfile.extents() if e.kind == "data"]
             assert any(len(e.marks) > 1 for e in runs)
             for t in vfile.tensors:
-                start = t.offset + (t.slice_geometry()[1] if t.slice and t.slice.dim == 0 else 0)
+                rows = t.slice.rows(t.dtype, t.shape) if t.slice else None
+                start = t.offset + (rows.keep_start if rows and rows.is_block else 0)
                 run = next(e for e in runs if e.offset <= start < e.end)
                 assert run.order_of(start, start + 1) == position[t.name]
 
@@ -69,6 +71,7 @@ def test_plan_prints_the_per_rank_table_at_full_scale(full_scale):
     assert all(r["files"] == 45 for r in target) and all(140e9 < r["read_bytes"] < 170e9 for r in target)
 
 
+@pytest.mark.mount
 def test_full_scale_checkpoint_mounts(full_scale, mount_dir):
     with mounted(full_scale, mount_dir, "--tp-size", 4, "--tp-rank", 0):
         shards = sorted((mount_dir / "target").glob("*.safetensors"))

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from loader.ordered import OrderedExecutor
+from rankfs.loader.ordered import OrderedExecutor
 
 
 def test_queued_reads_run_in_the_loaders_order():

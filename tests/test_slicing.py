@@ -5,27 +5,29 @@ narrows elsewhere fails loudly through the hook."""
 from __future__ import annotations
 
 import gc
-import json
 
 import pytest
 import torch
 
-import loader
-from bench.engine_like import MoELayout, expert_counts, load, shard_files
+import rankfs.loader as loader
 from conftest import mounted
-from fixture import deepseek_v4
-from loader.guard import SliceMismatch
-from plan.checkpoint import Checkpoint
-from plan.layout import RankSpec, plan_rank
-from plan.profiles import BY_NAME
+from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
+from dev.fixtures import deepseek_v4
+from memstate import MIB, cached_bytes, rss_bytes, uncache
+from rankfs import contract
+from rankfs.loader.guard import SliceMismatch
+from rankfs.plan.checkpoint import Checkpoint
+from rankfs.plan.layout import plan_rank
+from rankfs.plan.profiles import BY_NAME
+from rankfs.plan.spec import RankSpec
 
 PROFILE = BY_NAME["deepseek-v4"]
 SPEC = deepseek_v4.FixtureSpec.tiny()
 
 
-def load_like_engine(directory, layout: MoELayout, checkpoint):
+def load_like_engine(directory, layout: MoELayout, checkpoint, counts=None):
     # The engine knows every group's expert count from its config, whatever the directory holds.
-    return load(directory, PROFILE, layout, counts=expert_counts(shard_files(checkpoint), PROFILE))
+    return load(directory, PROFILE, layout, counts=counts or expert_counts(shard_files(checkpoint), PROFILE))
 
 
 def engine_layout(tp_size, ep_size, rank, **extra) -> MoELayout:
@@ -39,6 +41,7 @@ def assert_same(got: dict, want: dict):
         assert torch.equal(got[name].reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
 
 
+@pytest.mark.mount
 @pytest.mark.parametrize("ep_size", [1, 2, 4])
 @pytest.mark.parametrize("tp_slice", ["auto", "on", "off"])
 def test_moe_loader_lands_the_same_bytes(tiny_checkpoint, mount_dir, ep_size, tp_slice):
@@ -53,12 +56,13 @@ def test_moe_loader_lands_the_same_bytes(tiny_checkpoint, mount_dir, ep_size, tp
                 assert_same(from_view, original)
 
 
+@pytest.mark.mount
 def test_daemon_reads_what_the_plan_says(tiny_checkpoint, mount_dir):
     plan = plan_rank(Checkpoint.open(tiny_checkpoint), RankSpec(4, 2, 1))
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 2, "--inflight-gb", 1):
         for view in ("target", "draft"):
             load_like_engine(mount_dir / view, engine_layout(4, 1, 2), tiny_checkpoint)
-        status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
+        status = contract.read_status(str(mount_dir))
     planned = sum(row["read_bytes"] for row in plan.summary())
     assert status["read_bytes"] == planned
     # Sliced: w1/w3 read a quarter, w2 whole rows; so EP1 reads what EP2 reads, and keeps half of it.
@@ -82,11 +86,12 @@ def test_seed_table_shape_at_full_scale(tmp_path_factory):
 def hook(request, monkeypatch):
     """The hook both ways: tensors viewing the sources' maps (no CUDA) and staged in slabs."""
     monkeypatch.setenv("RANKFS_HOOK_MAP", "on" if request.param == "map" else "off")
-    active = loader.activate("on")
-    yield active
+    loader.activate("on")
+    yield request.param
     loader.deactivate()
 
 
+@pytest.mark.mount
 def test_hook_guard_names_the_tensor_a_misnarrowing_loader_touches(tiny_checkpoint, mount_dir, hook):
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
         good = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint)
@@ -99,6 +104,7 @@ def test_hook_guard_names_the_tensor_a_misnarrowing_loader_touches(tiny_checkpoi
     assert figures["slabs_alive"] == 0
 
 
+@pytest.mark.mount
 def test_one_shared_view_serves_every_local_rank_through_the_hook(tiny_checkpoint, mount_dir, hook, monkeypatch):
     """Every rank is started with MOUNTPOINT/target; the hook sends each to its own rank-R view.
     Read without the hook, the shared view's shards refuse (EIO) rather than give another rank's bytes."""
@@ -119,28 +125,34 @@ def test_one_shared_view_serves_every_local_rank_through_the_hook(tiny_checkpoin
         loader.release("target")
 
 
+@pytest.mark.mount
 def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_dir, hook):
-    """After release, MemAvailable is within 64 MiB of its baseline less the weights the loader kept,
-    the daemon has dropped its buffers and what it pushed into page cache, and its status counts
-    what the hook loaded."""
-    from loader.memory import meminfo
-    from mount.control import read_status
+    """After release this process holds only the weights it kept (its resident memory grew by them
+    and 64 MiB at most), nothing of the view files or the sources is left in page cache, the daemon
+    has dropped its buffers, and its status counts what the hook loaded straight from the sources."""
+    sources = sorted(tiny_checkpoint.glob("*.safetensors"))
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 0.0625):
-        baseline = meminfo()["MemAvailable"]
-        params = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint)
+        views = sorted((mount_dir / "target").glob("*.safetensors"))
+        counts = expert_counts(sources, PROFILE)  # reads the sources' headers: before they leave the cache
+        uncache(sources)
+        baseline = rss_bytes()
+        params = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint, counts)
         kept = sum(p.numel() * p.element_size() for p in params.values())
         figures = loader.release("target")
-        lost = baseline - meminfo()["MemAvailable"]
-        status = read_status(str(mount_dir))
-        assert status["drops"] == 1 and status["held_bytes"] == 0 and status["buffers"]["idle"] == 0
-        # The hook read the sources, not the mount, and told the daemon: status counts the view loaded.
+        grown = rss_bytes() - baseline
+        status = contract.read_status(str(mount_dir))
+        assert status["drops"] == 1 and status["held_bytes"] == 0 and status["memory"]["idle"] == 0
+        assert cached_bytes(views) == 0 and cached_bytes(sources) == 0
         target = next(v for v in status["views"] if v["view"] == "target")
         assert target["hook_loaded_bytes"] == target["planned_bytes"] > 0
-        assert figures["slabs_alive"] == 0 and (figures["slabs"] >= 1) == (not hook.map_sources)
-        assert lost < kept + 64 * (1 << 20), f"lost {lost >> 20} MiB with {kept >> 20} MiB of weights kept"
+        assert status["read_bytes"] == 0  # every byte came from the sources, none through the mount
+        assert figures["phase"] == "target" and figures["slabs_alive"] == 0 and figures["pinned_bytes"] == 0
+        assert (figures["slabs"] >= 1) == (hook == "stage")
+        assert grown < kept + 64 * MIB, f"grew by {grown / MIB:.0f} MiB with {kept / MIB:.0f} MiB of weights kept"
         del params
 
 
+@pytest.mark.mount
 def test_mapped_tensors_count_against_the_hook_budget_until_the_loader_lets_go(tiny_checkpoint, mount_dir,
                                                                               monkeypatch):
     """Tensors viewing the sources count against the hook's budget from their read-ahead until the
@@ -149,16 +161,16 @@ def test_mapped_tensors_count_against_the_hook_budget_until_the_loader_lets_go(t
     monkeypatch.setenv("RANKFS_HOOK_MAP", "on")
     monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
     monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", str(2 / 1024))
-    hook = loader.activate("on")
+    loader.activate("on")
     try:
         with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
             layout = engine_layout(4, 1, 1)
             got = load_like_engine(mount_dir / "target", layout, tiny_checkpoint)
             gc.collect()
-            stats = hook.pool.stats
-            largest = max(t.end - t.begin for s in Checkpoint.open(tiny_checkpoint).shards for t in s.tensors.values())
-            assert 0 < stats.peak_live_bytes <= max(hook.pool.budget_bytes, hook.pool.slab_bytes, largest)
-            assert stats.live_bytes == 0
+            budget = loader.current().budget
+            largest = max(t.nbytes for s in Checkpoint.open(tiny_checkpoint).shards for t in s.tensors.values())
+            assert 0 < budget.peak <= max(budget.limit, 1 << 20, largest)
+            assert budget.used == 0
             assert_same(got, {n: t for n, t in load_like_engine(tiny_checkpoint, layout, tiny_checkpoint).items()
                               if not n.startswith("mtp.")})
             del got
@@ -167,6 +179,7 @@ def test_mapped_tensors_count_against_the_hook_budget_until_the_loader_lets_go(t
         loader.deactivate()
 
 
+@pytest.mark.mount
 def test_mapped_tensors_leave_the_loader_once_it_lets_them_go(tmp_path_factory, mount_dir, monkeypatch):
     """Pages of the sources' maps stay in the engine's RSS only while the loader holds their tensors
     (they stay in page cache): after the load, what is still mapped in is the row-store tables the
@@ -178,7 +191,7 @@ def test_mapped_tensors_leave_the_loader_once_it_lets_them_go(tmp_path_factory, 
         with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
             got = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), checkpoint)
             gc.collect()
-            status = json.loads((mount_dir / ".rankfs" / "status.json").read_text())
+            status = contract.read_status(str(mount_dir))
             planned = next(v for v in status["views"] if v["view"] == "target")["planned_bytes"]
             on_demand = sum(t.end - t.begin for s in Checkpoint.open(checkpoint).shards
                             for n, t in s.tensors.items() if PROFILE.is_on_demand(n))

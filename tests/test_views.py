@@ -10,7 +10,9 @@ import torch
 from safetensors import safe_open
 
 from conftest import expected_view, mounted
-from fixture import deepseek_v4
+from dev.fixtures import deepseek_v4
+
+pytestmark = pytest.mark.mount
 
 SPEC = deepseek_v4.FixtureSpec.tiny()
 

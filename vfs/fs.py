@@ -1,6 +1,12 @@
 """The FUSE operations: a thin layer that turns the kernel's requests into extents of the tree and
-asks the read engine for the bytes. Read-only: the mount is `ro`, so the kernel answers writes
-with EROFS before they reach us.
+asks the read engine for the bytes.
+
+Caveats:
+- Everything runs on pyfuse3's one trio thread; replies are copied there too. A reply made of one
+  piece is the engine's memory itself, owned until the reply is written: pyfuse3 writes it right
+  after the handler returns, before the task yields, so the ownership ends in a callback run soon.
+- The mount is not `ro` (the control file takes commands), so every handler that would change the
+  tree refuses with EROFS, as a read-only mount would.
 """
 
 from __future__ import annotations
@@ -8,14 +14,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from typing import Awaitable, Callable
 
 import pyfuse3
+import trio
 
-from plan.layout import FILL_BYTE
-from reader.engine import BackingError, ReadEngine
-from vfs.tree import Node, ServedFile, Tree, memory_file
+from rankfs.plan.layout import FILL_BYTE
+from rankfs.reader.engine import BackingError, ReadEngine
+from rankfs.vfs.tree import Node, ServedFile, Tree, memory_file
 
 log = logging.getLogger("rankfs.fs")
+
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
 
 
 class _Fill:
@@ -31,11 +41,12 @@ class _Fill:
 
 
 class RankFS(pyfuse3.Operations):
-    def __init__(self, tree: Tree, engine: ReadEngine):
+    def __init__(self, tree: Tree, engine: ReadEngine, command: Callable[[str, int], Awaitable[None]]):
         super().__init__()
         self.tree = tree
         self.engine = engine
-        self._handles: dict[int, ServedFile] = {}
+        self.command = command  # carries out a control-file command written by process `pid`
+        self._handles: dict[int, ServedFile | int] = {}  # fh -> its file, or the writer's pid (control)
         self._next_fh = 1
         self._fill = _Fill()
         self.requests = 0  # reads answered, and their bytes: the average tells the request size
@@ -73,7 +84,10 @@ class RankFS(pyfuse3.Operations):
         return self._attributes(self._node(inode))
 
     async def setattr(self, inode, attr, fields, fh, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        node = self._node(inode)
+        if node is not self.tree.command:  # the control file takes the truncation of `echo drop >`
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return self._attributes(node)
 
     async def getxattr(self, inode, name, ctx):
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
@@ -88,6 +102,15 @@ class RankFS(pyfuse3.Operations):
         st.f_files = len(self.tree.nodes)
         st.f_namemax = 255
         return st
+
+    # What a read-only mount refuses.
+    async def _read_only(self, *args, **kwargs):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    setxattr = removexattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
 
     # -- directories ----------------------------------------------------------------------------
 
@@ -112,20 +135,34 @@ class RankFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+        fh, self._next_fh = self._next_fh, self._next_fh + 1
+        if node is self.tree.command:
+            if flags & os.O_ACCMODE != os.O_WRONLY:
+                raise pyfuse3.FUSEError(errno.EACCES)
+            self._handles[fh] = ctx.pid
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        if flags & WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
         # Generated files are snapshot at open and never cached; the rest stay cached across opens.
         served = memory_file(node.render()) if node.render else node.served()
         if served.stream is not None:
             self.engine.opened(served.stream)
-        fh, self._next_fh = self._next_fh, self._next_fh + 1
         self._handles[fh] = served
         return pyfuse3.FileInfo(fh=fh, direct_io=node.render is not None, keep_cache=node.render is None)
+
+    async def write(self, fh, off, buf):
+        pid = self._handles[fh]
+        try:
+            await self.command(buf.decode("utf-8", "replace"), pid)
+        except ValueError as exc:
+            log.warning("control: process %d: %s", pid, exc)
+            raise pyfuse3.FUSEError(errno.EINVAL) from None
+        return len(buf)
 
     async def read(self, fh, off, size):
         served = self._handles[fh]
         end = min(off + size, served.size)
-        pieces = []
+        pieces, owned = [], []
         try:
             for extent in served.extents_at(off, end):
                 lo, hi = max(off, extent.offset), min(end, extent.end)
@@ -137,26 +174,32 @@ class RankFS(pyfuse3.Operations):
                 elif extent.kind == "shared":
                     log.error("%s: EIO: this is the view shared by the local ranks; load it through "
                               "the rankfs hook (rankfs run), which sends each rank to its rank-R/ view",
-                              served.view)
+                              served.path)
                     raise pyfuse3.FUSEError(errno.EIO)
                 else:
-                    await self._read_data(served, extent, lo, hi, pieces)
-        except BackingError as exc:
-            log.error("%s: EIO for bytes %d-%d: %s", served.view, off, end, exc)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+                    for chunk in served.runs[extent.offset].overlapping(lo, hi):
+                        a, b = max(lo, chunk.start), min(hi, chunk.end)
+                        piece, backing = await self.engine.read(chunk, a, b)
+                        pieces.append(piece)
+                        if backing is not None:
+                            owned.append(backing)
+                        self.engine.served(chunk, b - a)
+        except BaseException as exc:  # nothing is replied from what was gathered
+            self.engine.replied(owned)
+            if isinstance(exc, BackingError):
+                log.error("%s: EIO for bytes %d-%d: %s", served.path, off, end, exc)
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            raise
         self.requests += 1
         self.request_bytes += end - off
-        if len(pieces) == 1:
+        if len(pieces) == 1:  # the reply is the engine's memory: owned until it is written
+            trio.lowlevel.current_trio_token().run_sync_soon(self.engine.replied, owned)
             return pieces[0]
-        return b"".join(pieces)
-
-    async def _read_data(self, served: ServedFile, extent, lo: int, hi: int, pieces: list):
-        for chunk in served.runs[extent.offset].overlapping(lo, hi):
-            a, b = max(lo, chunk.start), min(hi, chunk.end)
-            pieces.append(await self.engine.read(chunk, a, b))
-            self.engine.served(chunk, b - a)
+        reply = b"".join(pieces)
+        self.engine.replied(owned)
+        return reply
 
     async def release(self, fh):
         served = self._handles.pop(fh, None)
-        if served is not None and served.stream is not None:
+        if isinstance(served, ServedFile) and served.stream is not None:
             self.engine.closed(served.stream)

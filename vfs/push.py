@@ -7,7 +7,8 @@ the loader, whose first page stays unpushed so that the loader's read of it tell
 is being consumed.
 
 A push waits for the locks of pages a pending read holds; those reads are answered from the chunk's
-buffer, which the push never waits for, so the two cannot deadlock.
+memory, which the push never waits for, so the two cannot deadlock. The push owns that memory until
+`notify_store` returns.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import pyfuse3
 import trio
 
-from reader.engine import ReadEngine
+from rankfs.reader.engine import ReadEngine
 
 log = logging.getLogger("rankfs.push")
 
@@ -39,16 +40,21 @@ async def _push_offered(engine: ReadEngine, offers: trio.MemoryReceiveChannel):
         if span is None:
             continue
         start, end = span
-        data = chunk.buffer[start - chunk.start:end - chunk.start]
+        backing = chunk.backing
+        backing.own()
         drops = engine.drops
-        # The thread may be left behind on cancellation: a push blocked on a page lock ends when the
-        # unmount aborts the reads holding it.
-        stored = await trio.to_thread.run_sync(_store, chunk.file_id, start, data, abandon_on_cancel=True)
-        del data
+        try:
+            # The thread may be left behind on cancellation: a push blocked on a page lock ends when
+            # the unmount aborts the reads holding it.
+            stored = await trio.to_thread.run_sync(_store, chunk.file_id, start,
+                                                   chunk.buffer[start - chunk.start:end - chunk.start],
+                                                   abandon_on_cancel=True)
+        finally:
+            backing.done()
         if drops != engine.drops:  # `rankfs drop` ran meanwhile: what this push stored must go too
             await trio.to_thread.run_sync(pyfuse3.invalidate_inode, chunk.file_id, False)
         elif stored:
-            engine.pushed(chunk, start, end)
+            engine.pushed(chunk, backing, start, end)
 
 
 def _store(inode: int, offset: int, data: memoryview) -> bool:

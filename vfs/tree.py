@@ -6,8 +6,8 @@
     MOUNTPOINT/target/           and the shared view they are all started with: its shards are read
                                  only through the hook, which sends each rank to its own directory
     MOUNTPOINT/.rankfs/status.json   live figures (read by `rankfs status`)
-    MOUNTPOINT/.rankfs/sources/VIEW.json   where each view tensor lies in the sources (for the hook;
-                                 VIEW is the view's directory, '/' written as '.')
+    MOUNTPOINT/.rankfs/control       commands to the daemon (see rankfs.contract)
+    MOUNTPOINT/.rankfs/sources/VIEW.json   where each view tensor lies in the sources (for the hook)
 
 Every regular file is a list of extents: in-memory bytes (headers, indexes), fill (outside slices)
 or source bytes in chunks the read engine loads.
@@ -21,24 +21,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from plan.checkpoint import INDEX_NAME
-from plan.layout import Extent, RankLayout, View, index_json, source_map
-from reader.engine import ChunkRun, FileStream, ReadEngine, overlapping
+from rankfs import contract
+from rankfs.plan.checkpoint import INDEX_NAME
+from rankfs.plan.extents import Extent
+from rankfs.plan.layout import RankLayout, View, index_json, sources_json
+from rankfs.reader.chunks import ChunkRun, overlapping
+from rankfs.reader.engine import ReadEngine
+from rankfs.reader.schedule import FileStream
 
 ROOT_INODE = 1
-CONTROL_DIR = ".rankfs"
-STATUS_FILE = "status.json"
-SOURCES_DIR = "sources"
-
-
-def flat_name(view_dir: str) -> str:
-    """A view directory (`target`, `rank-1/draft`) as one file name."""
-    return view_dir.replace("/", ".")
-
-
-def sources_file(view_dir: str) -> str:
-    """The control file that maps a view directory's tensors to the sources."""
-    return f"{CONTROL_DIR}/{SOURCES_DIR}/{flat_name(view_dir)}.json"
 
 
 @dataclass
@@ -50,7 +41,7 @@ class ServedFile:
     memory: bytes = b""  # the bytes of "header" extents (at the file's start)
     runs: dict[int, ChunkRun] = field(default_factory=dict)  # data extent offset -> its chunks
     stream: FileStream | None = None  # for virtual shards
-    view: str = ""  # for messages: "target/model-00001-of-00048.safetensors"
+    path: str = ""  # in the mount, for messages: "target/model-00001-of-00048.safetensors"
 
     def __post_init__(self):
         self._starts = [e.offset for e in self.extents]
@@ -63,8 +54,8 @@ class LazyView:
     """A view's virtual shards, served. Built on the first open of one of them: a 48-shard view
     takes a second to lay out, and the mount must be ready before that."""
 
-    def __init__(self, label: str, view: View, engine: ReadEngine):
-        self.label, self.view, self.engine = label, view, engine
+    def __init__(self, directory: str, view: View, engine: ReadEngine):
+        self.directory, self.view, self.engine = directory, view, engine
         self.inodes: list[int] = []  # of its files, by position
         self._served: list[ServedFile] | None = None
 
@@ -78,8 +69,8 @@ class LazyView:
                     for chunk in run.chunks:
                         chunk.file_id = inode
                 self._served.append(ServedFile(vfile.size, extents, vfile.header, runs,
-                                               view=f"{self.label}/{vfile.name}"))
-            streams = self.engine.add_stream(self.label, [
+                                               path=f"{self.directory}/{vfile.name}"))
+            streams = self.engine.add_view(self.directory, [
                 [c for run in served.runs.values() for c in run.chunks] for served in self._served])
             for served, stream in zip(self._served, streams):
                 served.stream = stream
@@ -96,6 +87,7 @@ class Node:
     file: ServedFile | None = None  # regular files with fixed content
     shard: tuple[LazyView, int] | None = None  # virtual shards: their view and position in it
     render: Callable[[], bytes] | None = None  # generated files (status)
+    command_mode: int = 0  # the control file: written, never read
 
     @property
     def is_dir(self) -> bool:
@@ -103,6 +95,8 @@ class Node:
 
     @property
     def mode(self) -> int:
+        if self.command_mode:
+            return stat.S_IFREG | self.command_mode
         return (stat.S_IFDIR | 0o555) if self.is_dir else (stat.S_IFREG | 0o444)
 
     @property
@@ -119,18 +113,22 @@ class Node:
         return self.file
 
 
-def memory_file(data: bytes, view: str = "") -> ServedFile:
-    return ServedFile(len(data), [Extent(0, len(data), "header")], data, view=view)
+def memory_file(data: bytes, path: str = "") -> ServedFile:
+    return ServedFile(len(data), [Extent(0, len(data), "header")], data, path=path)
 
 
 class Tree:
-    def __init__(self, layouts: list[RankLayout], engine: ReadEngine, render_status: Callable[[], bytes]):
+    def __init__(self, layouts: list[RankLayout], engine: ReadEngine, render_status: Callable[[], bytes],
+                 allow_other: bool = False):
         self.nodes: dict[int, Node] = {}
         now = time.time_ns()
         root = self._add("", ROOT_INODE, now, children={})
-        control = self._add(CONTROL_DIR, root.inode, now, children={})
-        self._add(STATUS_FILE, control.inode, now, render=render_status)
-        self._sources = self._add(SOURCES_DIR, control.inode, now, children={})
+        control = self._add(contract.CONTROL_DIR, root.inode, now, children={})
+        self._add(contract.STATUS_FILE, control.inode, now, render=render_status)
+        # Writable by the mount's user, and by everyone the mount lets in with --allow-other.
+        self.command = self._add(contract.COMMAND_FILE, control.inode, now,
+                                 command_mode=0o222 if allow_other else 0o200)
+        self._sources = self._add(contract.SOURCES_DIR, control.inode, now, children={})
         for layout in layouts:
             parent = root
             if len(layouts) > 1:
@@ -152,23 +150,23 @@ class Tree:
         return node
 
     def _add_view(self, parent: Node, layout: RankLayout, view, engine: ReadEngine, now: int):
-        label = f"{parent.name + '/' if parent.inode != ROOT_INODE else ''}{view.name}"
+        path = f"{parent.name + '/' if parent.inode != ROOT_INODE else ''}{view.name}"
         directory = self._add(view.name, parent.inode, now, children={})
-        self._add_plain_files(directory, label, layout, view)
-        self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, f"{label}/{INDEX_NAME}"))
-        lazy = LazyView(label, view, engine)
-        mapping = functools.cache(lambda: source_map(view, layout.sources))
-        self._add(sources_file(label).rsplit("/", 1)[1], self._sources.inode, now, render=mapping)
+        self._add_plain_files(directory, path, layout, view)
+        self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, f"{path}/{INDEX_NAME}"))
+        lazy = LazyView(path, view, engine)
+        mapping = functools.cache(lambda: sources_json(view, layout.sources))
+        self._add(f"{contract.flat_name(path)}.json", self._sources.inode, now, render=mapping)
         for position, vfile in enumerate(view.files):
             node = self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,
                              shard=(lazy, position))
             lazy.inodes.append(node.inode)
 
-    def _add_plain_files(self, directory: Node, label: str, layout: RankLayout, view):
+    def _add_plain_files(self, directory: Node, path: str, layout: RankLayout, view):
         for name, source_index in view.plain_files:
             source = layout.sources[source_index]
             extent = Extent(0, source.size, "data", source_index, 0, tensor=name, on_demand=True)
-            served = ServedFile(source.size, [extent], view=f"{label}/{name}")
+            served = ServedFile(source.size, [extent], path=f"{path}/{name}")
             served.runs[0] = ChunkRun(extent)
             self._add(name, directory.inode, source.mtime_ns, file=served)
 
@@ -185,7 +183,7 @@ class Tree:
             for vfile in view.files:
                 sizes.setdefault(vfile.name, vfile.size)
         for file_name, size in sorted(sizes.items()):
-            served = ServedFile(size, [Extent(0, size, "shared", tensor=file_name)], view=f"{name}/{file_name}")
+            served = ServedFile(size, [Extent(0, size, "shared", tensor=file_name)], path=f"{name}/{file_name}")
             self._add(file_name, directory.inode, now, file=served)
 
     def lookup(self, parent: int, name: str) -> Node | None:

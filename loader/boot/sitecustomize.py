@@ -1,5 +1,5 @@
-"""Put first on PYTHONPATH by `rankfs run`: activates the rankfs hook in every Python process of
-the engine (workers included, since they inherit the environment), then hands over to any
+"""Put on PYTHONPATH by `rankfs run`: installs the (dormant) rankfs hook in every Python process of
+the engine, workers included since they inherit the environment, then hands over to any
 sitecustomize this one shadows."""
 
 import importlib.util
@@ -8,8 +8,12 @@ import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 try:
-    import loader
-    loader.activate()
+    try:
+        import rankfs.loader.startup
+    except ImportError:  # the engine's Python is not rankfs's: find rankfs where this file lies
+        sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(_here))))
+        import rankfs.loader.startup
+    rankfs.loader.startup.install()
 except Exception as exc:  # never stop the engine from starting: it then loads the stock way
     print(f"rankfs hook: not active: {exc}", file=sys.stderr)
 

@@ -1,4 +1,4 @@
-"""`rankfs demo`: the whole job on data it makes itself. Generate a DeepSeek-V4-class fixture,
+"""`python3 -m dev demo`: the whole job on data it makes itself. Generate a DeepSeek-V4-class fixture,
 mount rank 1 of TP4 (EP1, experts sliced), load both views through stock `safetensors.safe_open`
 with the engines' expert narrowing, check every byte against the original, and unmount."""
 
@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from fixture import deepseek_v4
+from dev.fixtures import deepseek_v4
+from dev.session import rankfs
+from rankfs import contract
 
 FLAGS = ["--tp-size", "4", "--tp-rank", "1", "--ep-size", "1"]
 
 
 def _rankfs(*args) -> str:
-    result = subprocess.run([sys.executable, "-m", "mount.cli", *args], capture_output=True, text=True)
+    result = rankfs(*args, check=False)
     if result.returncode:
         raise SystemExit(f"rankfs {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
     return result.stdout
@@ -32,7 +32,7 @@ def _load_view(view: Path, originals: dict[str, Path]) -> tuple[int, int, set[st
     dtypes = set()
     for shard in sorted(view.glob("*.safetensors")):
         with safe_open(shard, "pt") as f:
-            slices = json.loads((f.metadata() or {}).get("rankfs.slices", "{}"))
+            slices = json.loads((f.metadata() or {}).get(contract.SLICES_KEY, "{}"))
             for name in f.keys():
                 got = f.get_tensor(name)
                 with safe_open(originals[name], "pt") as source:
@@ -71,7 +71,7 @@ def run_demo(workdir: Path) -> int:
             print(f"4. {view}: loaded {count} tensors through stock safe_open in "
                   f"{time.monotonic() - began:.2f} s; {kept / 1e6:.1f} MB kept; dtypes "
                   f"{', '.join(sorted(dtypes))}; every byte equals the original's")
-        status = json.loads((mountpoint / ".rankfs" / "status.json").read_text())
+        status = contract.read_status(str(mountpoint))
         for v in status["views"]:
             print(f"   {v['view']}: planned {v['planned_bytes'] / 1e6:.1f} MB, served "
                   f"{v['served_bytes'] / 1e6:.1f} MB")

@@ -1,6 +1,6 @@
 """One benchmark path, run in a process of its own so that its peak RSS is its own:
 
-    python -m bench.paths KIND < arguments.json   ->  one JSON line on stdout
+    python3 -m dev.bench.paths KIND < arguments.json   ->  one JSON line on stdout
 
 KIND: engine (the engine-like loader over a directory, optionally through the hook), runai,
 fastsafetensors, raw (parallel preads of exact byte ranges, O_DIRECT or buffered).
@@ -16,8 +16,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.engine_like import MoELayout, Progress, expert_counts, load, shard_files
-from plan.profiles import BY_NAME
+from dev.bench.engine_like import MoELayout, Progress, expert_counts, load, shard_files
+from rankfs.plan.profiles import BY_NAME
 
 
 def _peak_rss() -> int:
@@ -51,7 +51,7 @@ def _timed(work, progress: Progress) -> dict:
 def run_engine(args: dict) -> dict:
     import torch
     if args.get("hook"):
-        import loader
+        import rankfs.loader as loader
         loader.activate("on")
     profile = BY_NAME[args["profile"]]
     layout = MoELayout(**args["layout"])
@@ -68,7 +68,7 @@ def run_engine(args: dict) -> dict:
         return params
     result = _timed(work, progress)
     if args.get("hook"):
-        import loader
+        import rankfs.loader as loader
         result["release"] = {k: v for k, v in loader.release("target").items()
                              if k in ("slabs", "slab_requests", "peak_slab_bytes", "slabs_alive", "pinned",
                                       "nontorch_since_load_start")}

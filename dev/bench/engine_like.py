@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from plan.profiles import Profile
+from rankfs.plan.profiles import Profile
 
 
 @dataclass(frozen=True)

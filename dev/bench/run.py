@@ -3,7 +3,7 @@ engine-style path, rankfs (with and without the hook), the peers that run here, 
 limit (the fastest raw read of exactly the bytes the rank needs); then the same loader with the
 backing files in page cache, where what is left is the cost of the FUSE path.
 
-    python -m bench.run [--size-gb 8] [--cases ep2,ep1-sliced] [--device cpu|cuda] [--out DIR]
+    python3 -m dev bench [--size-gb 8] [--cases ep2,ep1-sliced] [--device cpu|cuda] [--out DIR]
 
 Prints one table per rank case (seconds, GB/s of the rank's bytes, ratio to the limit, peak RSS of
 loader and daemon, MemAvailable lost and page cache left after the load), writes results.json and
@@ -21,12 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from fixture import deepseek_v4
-from loader.memory import meminfo
-from mount.session import ROOT, mounted
-from plan.checkpoint import Checkpoint
-from plan.layout import RankSpec, plan_rank
-from reader.device import block_queue
+from dev.fixtures import deepseek_v4
+from rankfs.loader.memory import meminfo
+from dev.session import ROOT, mounted
+from rankfs.plan.checkpoint import Checkpoint
+from rankfs.plan.layout import plan_rank
+from rankfs.plan.spec import RankSpec
+from rankfs.reader.io import block_queue, merge_adjacent
 
 CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), an EP1 rank (sliced)
     "ep2": (4, 0, 2),
@@ -54,7 +55,7 @@ def readahead_file(path: Path) -> Path:
 
 
 def run_path(kind: str, args: dict) -> dict:
-    result = subprocess.run([sys.executable, "-m", "bench.paths", kind], input=json.dumps(args), cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "dev.bench.paths", kind], input=json.dumps(args), cwd=ROOT,
                             capture_output=True, text=True)
     if result.returncode != 0:
         return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -63,17 +64,10 @@ def run_path(kind: str, args: dict) -> dict:
 
 def rank_ranges(layout) -> list[tuple[str, int, int]]:
     """(source path, offset, length) of exactly the bytes the target view reads, merged."""
-    ranges: list[list] = []
-    for vfile in layout.view("target").files:
-        for e in vfile.extents():
-            if e.kind != "data" or e.on_demand:
-                continue
-            path = str(layout.sources[e.source].path)
-            if ranges and ranges[-1][0] == path and ranges[-1][1] + ranges[-1][2] == e.source_offset:
-                ranges[-1][2] += e.length
-            else:
-                ranges.append([path, e.source_offset, e.length])
-    return [tuple(r) for r in ranges]
+    spans = [(str(layout.sources[e.source].path), e.source_offset, e.source_offset + e.length)
+             for vfile in layout.view("target").files for e in vfile.extents()
+             if e.kind == "data" and not e.on_demand]
+    return [(path, begin, end - begin) for path, begin, end in merge_adjacent(spans)]
 
 
 class Bench:

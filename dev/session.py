@@ -1,5 +1,5 @@
 """A mount for the length of a `with` block, made and ended through the command line as a user would
-(tests, the benchmark and the GPU check use it)."""
+(the tests, the benchmark and the GPU check use it)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
 
 
 def rankfs(*args, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `rankfs ARGS` in a process of its own; with check, a non-zero exit raises with its output."""
-    result = subprocess.run([sys.executable, "-m", "mount.cli", *map(str, args)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "rankfs.mount.cli", *map(str, args)], cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"rankfs {' '.join(map(str, args))} exited {result.returncode}:\n"

@@ -1,7 +1,7 @@
 """End-to-end load into CUDA memory: the stock path (mmap of the original files, pageable copies)
 against the rankfs view through the hook (pinned slabs), each in a process of its own.
 
-    python -m bench.gpu_load CHECKPOINT MOUNTPOINT [--tp-size 4 --tp-rank 1 --ep-size 1]
+    python3 -m dev.bench.gpu_load CHECKPOINT MOUNTPOINT [--tp-size 4 --tp-rank 1 --ep-size 1]
 
 Mounts the rank's view, loads it both ways with the engine-like loader, checks that every parameter
 is bitwise equal (digests of the GPU bytes), and prints the memory figures after each load: RSS,
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.run import drop_caches
-from mount.session import ROOT, mounted
+from dev.bench.run import drop_caches
+from dev.session import ROOT, mounted
 
 
 
@@ -29,13 +29,13 @@ def child(mode: str, directory: str, counts_from: str, layout: dict, device: str
 
     import torch
 
-    from bench.engine_like import MoELayout, expert_counts, load, shard_files
-    from loader import memory
-    from plan.profiles import BY_NAME
+    from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
+    from rankfs.loader import memory
+    from rankfs.plan.profiles import BY_NAME
     torch.empty(1, device=device)  # the CUDA context belongs to the baseline
     baseline = memory.snapshot()
     if mode == "hook":
-        import loader
+        import rankfs.loader as loader
         loader.activate("on")
     profile = BY_NAME["deepseek-v4"]
     config = json.loads((Path(counts_from) / "config.json").read_text())
@@ -48,7 +48,7 @@ def child(mode: str, directory: str, counts_from: str, layout: dict, device: str
     out = {"mode": mode, "seconds": seconds, "params": len(params),
            "bytes": sum(p.numel() * p.element_size() for p in params.values())}
     if mode == "hook":
-        import loader
+        import rankfs.loader as loader
         figures = loader.release("target")
         out["release"] = {k: figures[k] for k in ("pinned", "slabs", "slab_requests", "peak_slab_bytes",
                                                   "slabs_alive", "torch_host_allocs", "nontorch_since_load_start")}
@@ -67,7 +67,7 @@ def child(mode: str, directory: str, counts_from: str, layout: dict, device: str
 
 
 def _child_command(args, rank: int, mode: str, directory: str, device: str) -> list[str]:
-    return [sys.executable, "-m", "bench.gpu_load", args.checkpoint, args.mountpoint, "--tp-size", str(args.tp_size),
+    return [sys.executable, "-m", "dev.bench.gpu_load", args.checkpoint, args.mountpoint, "--tp-size", str(args.tp_size),
             "--tp-rank", str(rank), "--ep-size", str(args.ep_size), "--device", device,
             "--_child", mode, directory, "x"]
 
@@ -79,7 +79,7 @@ def _finish(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("checkpoint")
     p.add_argument("mountpoint")
@@ -89,7 +89,7 @@ def main() -> int:
     p.add_argument("--local-ranks", help="several ranks at once through one mount (e.g. 0,1), one GPU each")
     p.add_argument("--device", default="cuda")
     p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     moe_tp = args.tp_size // args.ep_size
     if args._child:
         layout = {"moe_tp_size": moe_tp, "moe_tp_rank": args.tp_rank % moe_tp, "ep_size": args.ep_size,

@@ -1,0 +1,159 @@
+"""What the daemon and the engine hook agree on: the names a mount serves, the metadata its virtual
+shards carry, the sources map, the control file and its commands, and how a rankfs mount is found.
+
+Standard library only, and light to import (json is imported where it is used): the hook imports
+it in every engine process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, NamedTuple
+
+GIB = 1 << 30
+FSTYPE = "fuse.rankfs"
+
+# The mount's own directory: MOUNTPOINT/.rankfs/
+CONTROL_DIR = ".rankfs"
+STATUS_FILE = "status.json"  # live figures, rendered at open
+SOURCES_DIR = "sources"  # sources/VIEW.json: where each view tensor lies in the source shards
+COMMAND_FILE = "control"  # write-only: one command per write (below)
+
+# Header metadata of a virtual shard.
+SLICES_KEY = "rankfs.slices"  # {tensor: [dim, start, stop]}: only this slice holds real bytes
+ON_DEMAND_KEY = "rankfs.on_demand"  # [tensor, ...]: row-store tables, read only where asked
+VIEW_KEY = "rankfs.view"  # which view, rank and profile the shard belongs to (for people)
+
+# Commands written to the control file. `loaded VIEW BYTES`: a hook loads VIEW straight from the
+# sources and has loaded BYTES of it so far (the daemon counts them in its status, and reads nothing
+# ahead for that view). `drop`: release the daemon's buffers and the views' page cache; the write
+# returns once that is done.
+DROP = "drop"
+LOADED = "loaded"
+
+
+def flat_name(view_dir: str) -> str:
+    """A view directory (`target`, `rank-1/draft`) as one file name."""
+    return view_dir.replace("/", ".")
+
+
+def sources_path(mountpoint: str, view_dir: str) -> str:
+    return os.path.join(mountpoint, CONTROL_DIR, SOURCES_DIR, f"{flat_name(view_dir)}.json")
+
+
+def phase(view_dir: str) -> str:
+    """The load a view directory feeds: `target` or `draft`."""
+    return os.path.basename(view_dir)
+
+
+# -- the sources map ------------------------------------------------------------------------------
+
+class Source(NamedTuple):
+    """A source shard as it was planned: a hook reads it only while it is still that file."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+
+    def unchanged(self, st: os.stat_result) -> bool:
+        return (st.st_size, st.st_mtime_ns, st.st_ino) == (self.size, self.mtime_ns, self.inode)
+
+
+def encode_sources(sources: list[Source], files: dict[str, dict[str, tuple[int, int]]]) -> bytes:
+    """files: {view file: {tensor: (index into sources, offset of its first byte in that source)}}.
+    A tensor's bytes (a slice's included) lie at the same place relative to its start in both."""
+    import json
+    body = {"sources": [s._asdict() for s in sources],
+            "files": {name: {t: list(place) for t, place in tensors.items()} for name, tensors in files.items()}}
+    return json.dumps(body).encode() + b"\n"
+
+
+def decode_sources(data: bytes) -> tuple[list[Source], dict[str, dict[str, tuple[int, int]]]]:
+    import json
+    body = json.loads(data)
+    return ([Source(**s) for s in body["sources"]],
+            {name: {t: (i, offset) for t, (i, offset) in tensors.items()} for name, tensors in body["files"].items()})
+
+
+# -- talking to a running daemon ------------------------------------------------------------------
+
+def read_status(mountpoint: str) -> dict:
+    import json
+    with open(os.path.join(mountpoint, CONTROL_DIR, STATUS_FILE)) as f:
+        return json.load(f)
+
+
+def send(mountpoint: str, command: str):
+    """Write one command to the daemon; returns once it has carried it out. The control file is
+    writable only by those the mount lets in (its user, or others with --allow-other)."""
+    fd = os.open(os.path.join(mountpoint, CONTROL_DIR, COMMAND_FILE), os.O_WRONLY)
+    try:
+        os.write(fd, command.encode() + b"\n")
+    finally:
+        os.close(fd)
+
+
+def loaded_command(view_dir: str, loaded_bytes: int) -> str:
+    return f"{LOADED} {view_dir} {loaded_bytes}"
+
+
+def parse_command(text: str) -> tuple[str, list[str]]:
+    """(verb, arguments) of a command; ValueError for anything else."""
+    words = text.split()
+    if words[:1] == [DROP] and len(words) == 1:
+        return DROP, []
+    if words[:1] == [LOADED] and len(words) == 3 and words[2].isdigit():
+        return LOADED, words[1:]
+    raise ValueError(f"unknown command {text.strip()[:80]!r}; expected '{DROP}' or '{LOADED} VIEW BYTES'")
+
+
+# -- finding mounts -------------------------------------------------------------------------------
+
+class MountEntry(NamedTuple):
+    mountpoint: str
+    device: str  # "major:minor"
+    fstype: str
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal
+    return field.encode().decode("unicode_escape")
+
+
+def mounts() -> Iterator[MountEntry]:
+    """The mounts this process sees, from /proc/self/mountinfo (never touches the mounts themselves,
+    so it works on dead ones and while a daemon cannot answer yet)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            yield MountEntry(_unescape(fields[4]), fields[2], right.split()[0])
+
+
+def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
+    """The mount at exactly this path (the last one, which is on top)."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    for entry in mounts():
+        if entry.mountpoint == target:
+            found = entry
+    return found
+
+
+def rankfs_devices() -> set[int]:
+    """st_dev of every rankfs mount."""
+    devices = set()
+    for entry in mounts():
+        if entry.fstype == FSTYPE:
+            major, minor = entry.device.split(":")
+            devices.add(os.makedev(int(major), int(minor)))
+    return devices
+
+
+def mount_root(path: str) -> str:
+    """The mount point a path lies under."""
+    path = os.path.abspath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path

@@ -1,0 +1,147 @@
+"""What the hook asks of a mount's daemon, through the mount itself (rankfs.contract): where a view
+file's tensors lie in the source shards, telling it how much of a view was loaded straight from them,
+and asking it to drop what it holds after a load. Standard library only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from rankfs import contract
+from rankfs.reader.io import open_for_exact_reads, willneed_reach
+
+log = logging.getLogger("rankfs.hook")
+
+REPORT_INTERVAL = 0.25  # seconds between progress reports of one view
+DROP_TIMEOUT = 10.0
+
+
+class ViewProgress:
+    """The bytes of one view this process has loaded from the sources, reported to the daemon (at
+    most every REPORT_INTERVAL, and when flushed): `rankfs status` counts them with what it served."""
+
+    def __init__(self, mountpoint: str, view_dir: str):
+        self.mountpoint, self.view_dir = mountpoint, view_dir
+        self.loaded = 0
+        self._reported_at = 0.0
+        self._lock = threading.Lock()
+        self._silent = False
+        self.flush()  # at once: the daemon stops reading ahead what this process reads itself
+
+    def add(self, nbytes: int):
+        with self._lock:
+            self.loaded += nbytes
+            if time.monotonic() - self._reported_at >= REPORT_INTERVAL:
+                self._report()
+
+    def flush(self):
+        with self._lock:
+            self._report()
+
+    def _report(self):
+        self._reported_at = time.monotonic()
+        if self._silent:
+            return
+        try:
+            contract.send(self.mountpoint, contract.loaded_command(self.view_dir, self.loaded))
+        except OSError as exc:  # unmounted, or not ours to write to: stop telling it
+            log.info("rankfs hook: %s: progress not reported: %s", self.view_dir, exc)
+            self._silent = True
+
+
+class DaemonLink:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._maps: dict[str, tuple] = {}  # sources map file -> its decoded map
+        self._fds: dict[str, int] = {}  # source path -> fd (checked unchanged at open)
+        self.willneed_reach: dict[str, int] = {}  # source path -> bytes one WILLNEED reads
+        self._progress: dict[str, ViewProgress] = {}  # view directory path -> its progress
+
+    def placement(self, path: str) -> dict[str, tuple[int, int, str]] | None:
+        """Where a view file's tensors lie in the source shards, opened: {tensor: (fd, offset of its
+        first byte, source path)}. None when the mount does
+        not say, or a source cannot be read here or has changed since it was mounted: the hook then
+        reads the view itself (and the daemon serves it)."""
+        mountpoint = contract.mount_root(path)
+        map_file = contract.sources_path(mountpoint, os.path.relpath(os.path.dirname(path), mountpoint))
+        try:
+            with self._lock:
+                if map_file not in self._maps:
+                    with open(map_file, "rb") as f:
+                        self._maps[map_file] = contract.decode_sources(f.read())
+            sources, files = self._maps[map_file]
+            fds = [self._open(source) for source in sources]
+        except OSError as exc:
+            log.info("rankfs hook: %s: reading through the mount: %s", path, exc)
+            return None
+        return {name: (fds[i], offset, sources[i].path) for name, (i, offset) in files[os.path.basename(path)].items()}
+
+    def _open(self, source: contract.Source) -> int:
+        with self._lock:
+            fd = self._fds.get(source.path)
+            if fd is None:
+                fd = open_for_exact_reads(source.path)
+                if not source.unchanged(os.fstat(fd)):
+                    os.close(fd)
+                    raise OSError(f"{source.path}: changed since it was mounted")
+                self._fds[source.path] = fd
+                self.willneed_reach[source.path] = willneed_reach(source.path)
+            return fd
+
+    def source_fd(self, source_path: str) -> int:
+        """The fd a placement opened for a source."""
+        with self._lock:
+            return self._fds[source_path]
+
+    def progress(self, path: str) -> ViewProgress:
+        """The progress of the view a file belongs to."""
+        view_path = os.path.dirname(path)
+        with self._lock:
+            if view_path not in self._progress:
+                mountpoint = contract.mount_root(path)
+                self._progress[view_path] = ViewProgress(mountpoint, os.path.relpath(view_path, mountpoint))
+            return self._progress[view_path]
+
+    def flush_progress(self):
+        with self._lock:
+            views = list(self._progress.values())
+        for progress in views:
+            progress.flush()
+
+    def close(self):
+        """Report the last figures, drop the sources' page cache and close them (after a load)."""
+        self.flush_progress()
+        with self._lock:
+            for fd in self._fds.values():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            self._fds.clear()
+            self._maps.clear()
+            self._progress.clear()
+
+
+def drop_daemons(paths: set[str]):
+    """The daemons of the mounts loaded from release their buffers and drop what they pushed into
+    page cache. Not a mount that several local ranks share: the others may still be loading. A
+    daemon that does not answer within DROP_TIMEOUT is left to it."""
+    for mountpoint in {contract.mount_root(path) for path in paths}:
+        try:
+            if len(contract.read_status(mountpoint)["ranks"]) != 1:
+                continue
+        except (OSError, ValueError, KeyError) as exc:  # unmounted already
+            log.info("rankfs hook: %s: daemon not asked to drop: %s", mountpoint, exc)
+            continue
+        sender = threading.Thread(target=_send_drop, args=(mountpoint,), name="rankfs-drop", daemon=True)
+        sender.start()
+        sender.join(DROP_TIMEOUT)
+        if sender.is_alive():
+            log.warning("rankfs hook: %s: the daemon did not confirm the drop within %g s", mountpoint, DROP_TIMEOUT)
+
+
+def _send_drop(mountpoint: str):
+    try:
+        contract.send(mountpoint, contract.DROP)
+    except OSError as exc:
+        log.info("rankfs hook: %s: daemon not asked to drop: %s", mountpoint, exc)

@@ -1,0 +1,146 @@
+"""Tensors that view maps of the sources (for loads into host memory, where a slab would only add a
+copy). They are returned at once; the loader's own page faults find their pages read ahead, in
+flight, or read them. Column slices view whole rows, the rank's columns strided.
+
+The read-ahead goes a WILLNEED piece at a time (each as large as one call reads), queued under the
+key (file, group, piece): the map readers take the piece the loader needs first across all open
+files, and each waits for its piece before taking another, so that the disk's queue holds what the
+loader needs next rather than gigabytes the elevator serves in sector order. A group's bytes count
+against the hook's budget from its read-ahead until the loader lets each tensor go.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import weakref
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from rankfs.loader.files import RankfsFile
+from rankfs.reader.io import inner_pages, madvise, merge_adjacent, willneed_pieces
+
+log = logging.getLogger("rankfs.hook")
+
+UNMAP_BATCH_BYTES = 64 << 20
+
+
+class MappedFile(RankfsFile):
+    def __init__(self, path: str, hook, placement: dict):
+        super().__init__(path, hook, placement)
+        # Per group: bytes of tensors the loader may still read, which its read-ahead reserves.
+        self._unfreed = [sum(self.span(n)[1] for n in group) for group in self.groups]
+        self._freed: set[str] = set()
+        self._alive: dict[str, int] = {}  # tensor -> its views handed out and not yet let go
+        self._maps: dict[str, np.ndarray] = {}  # source path -> its whole map
+        self._let_go: list[tuple[str, int, int]] = []  # let go, still mapped in: (path, begin, end)
+        self._let_go_bytes = 0
+        self._reserved: set[int] = set()  # groups whose read-ahead holds their unfreed bytes
+        self._lock = threading.Lock()
+        self._futures: list[Future] = [hook.map_executor.submit((path, g), self._read_ahead, g)
+                                       for g in range(len(self.groups))]
+
+    def resident(self, name: str, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """No wait: a view of the source's map, whose last view's death lets its budget go."""
+        offset, nbytes = self.span(name)
+        path = self._placement[name][2]
+        if path not in self._maps:  # kept here: the tensors may outlive the hook's release
+            self._maps[path] = np.frombuffer(self._hook.source_map(path), np.uint8)
+        base = self._maps[path][offset:offset + nbytes]  # an array of its own: its death is the tensor's
+        weakref.finalize(base, self._freed_by_loader, name, group, nbytes).atexit = False
+        with self._lock:
+            self._alive[name] = self._alive.get(name, 0) + 1
+        tensor = torch.from_numpy(base).view(dtype)
+        slc, rows = self._slices.get(name), self.rows(name)
+        if rows is not None and not rows.is_block:  # whole rows mapped: the rank's columns, strided
+            return tensor.reshape(self._entries[name].shape).narrow(slc.dim, slc.start, slc.stop - slc.start)
+        return tensor.reshape(self.resident_shape(name))
+
+    def close(self):
+        for future in self._futures:
+            future.cancel()
+        with self._lock:
+            reserved, self._reserved = self._reserved, set()
+            unfreed = sum(self._unfreed[group] for group in reserved)
+        self._hook.budget.release(unfreed)
+        super().close()
+
+    # -- read-ahead -----------------------------------------------------------------------------
+
+    def _read_ahead(self, group: int):
+        """Runs in a map reader: once the budget has room for the group, queue its pieces."""
+        if not self._reserve(group):
+            return
+        names = [n for n in self.groups[group] if n not in self._freed]
+        spans = merge_adjacent(((self._placement[n][0], self._placement[n][2]), offset, offset + nbytes)
+                               for n in names for offset, nbytes in [self.span(n)])
+        pieces = [(fd, piece, size) for (fd, path), begin, end in spans
+                  for piece, size in willneed_pieces(begin, end - begin, self._hook.link.willneed_reach[path])]
+        for i, piece in enumerate(pieces):
+            self._hook.map_executor.submit((self.path, group, i), self._read_piece, *piece)
+
+    def _read_piece(self, fd: int, offset: int, length: int):
+        if self._fd < 0:  # closed: the loader took what it wanted
+            return
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        try:
+            os.pread(fd, 1, offset + length - 1)  # returns once the piece's last page is read
+        except OSError as exc:  # the loader's fault on it will fail too: say where
+            log.error("rankfs hook: %s: reading bytes %d-%d of a source failed: %s", self.path,
+                      offset, offset + length, exc)
+
+    def _reserve(self, group: int) -> bool:
+        """Count the bytes of a group the loader may still read against the budget, once it has
+        room: the loader never waits for a mapped group's read-ahead (it faults the pages in
+        itself), so a full budget only holds the read-ahead back. False when the loader has let
+        them all go meanwhile."""
+        wanted = self._unfreed[group]
+        if wanted == 0:
+            return False
+        self._hook.budget.reserve(wanted)
+        with self._lock:
+            unfreed = self._unfreed[group]
+            if unfreed:
+                self._reserved.add(group)
+        self._hook.budget.release(wanted - unfreed)
+        return unfreed > 0
+
+    # -- the loader lets go ---------------------------------------------------------------------
+
+    def _freed_by_loader(self, name: str, group: int, nbytes: int):
+        with self._lock:
+            self._alive[name] -= 1
+            if self._alive[name]:  # asked for twice: let go with the last
+                return
+            first = name not in self._freed
+            self._freed.add(name)
+            if first:
+                self._unfreed[group] -= nbytes
+            reserved = first and group in self._reserved
+        self._unmap(name)
+        if reserved:
+            self._hook.budget.release(nbytes)
+        if first:
+            self.count_loaded(name)
+
+    def _unmap(self, name: str):
+        """A tensor the loader has let go leaves this process's memory (its pages stay in page
+        cache), or every mapped byte would count in its RSS until the release. Batched, adjacent
+        tensors merged, with the GIL let go; only pages wholly inside what was let go, since a
+        neighbour may still view the pages it shares."""
+        offset, nbytes = self.span(name)
+        with self._lock:
+            self._let_go.append((self._placement[name][2], offset, offset + nbytes))
+            self._let_go_bytes += nbytes
+            if self._let_go_bytes < UNMAP_BATCH_BYTES:
+                return
+            spans, self._let_go, self._let_go_bytes = self._let_go, [], 0
+        for path, begin, end in merge_adjacent(spans):
+            start, stop = inner_pages(begin, end)
+            if stop > start:
+                madvise(self._maps[path].ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
+

@@ -1,0 +1,71 @@
+"""The hook's settings, from the environment: every variable it reads is here, with its default.
+
+    RANKFS_HOOK             on | observe | off     on: load rankfs views through the hook; observe:
+                                                   load the stock way, only log the memory figures
+    RANKFS_HOOK_MAP         auto | on | off       tensors that view maps of the sources instead of
+                                                   pinned slabs (auto: when there is no CUDA)
+    RANKFS_HOOK_SLAB_MB     256                    slab size, MiB (rounded down to a power of two)
+    RANKFS_HOOK_INFLIGHT_GB 4                      memory read ahead of the loader, GiB
+    RANKFS_HOOK_THREADS     16                     read threads
+    RANKFS_RANK             (torch.distributed)    this process's rank, for a mount of several
+                                                   local ranks
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rankfs.contract import GIB
+
+MODES = ("on", "observe", "off")
+MAP_MODES = ("auto", "on", "off")
+
+
+class SettingError(ValueError):
+    pass
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise SettingError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
+def _number(name: str, default: str, kind=int, minimum: float = 1):
+    text = os.environ.get(name, default)
+    try:
+        value = kind(text)
+    except ValueError:
+        raise SettingError(f"{name} must be a number, not {text!r}") from None
+    if value < minimum:
+        raise SettingError(f"{name} must be at least {minimum}, not {text!r}")
+    return value
+
+
+class HookSettings:
+    """A plain class, not a dataclass: every Python process of the engine imports it at start-up."""
+
+    __slots__ = ("mode", "map_sources", "slab_bytes", "budget_bytes", "threads")
+
+    def __init__(self, mode: str = "on", map_sources: str = "auto", slab_bytes: int = 256 << 20,
+                 budget_bytes: int = 4 * GIB, threads: int = 16):
+        self.mode, self.map_sources, self.slab_bytes = mode, map_sources, slab_bytes
+        self.budget_bytes, self.threads = budget_bytes, threads
+
+    @classmethod
+    def from_env(cls, mode: str | None = None) -> "HookSettings":
+        slab_mb = _number("RANKFS_HOOK_SLAB_MB", "256")
+        return cls(mode=mode or _choice("RANKFS_HOOK", "on", MODES),
+                   map_sources=_choice("RANKFS_HOOK_MAP", "auto", MAP_MODES),
+                   slab_bytes=(1 << (slab_mb.bit_length() - 1)) << 20,
+                   budget_bytes=int(_number("RANKFS_HOOK_INFLIGHT_GB", "4", float, minimum=1 / 1024) * GIB),
+                   threads=_number("RANKFS_HOOK_THREADS", "16"))
+
+
+def rank_override() -> int | None:
+    """RANKFS_RANK, where set."""
+    value = os.environ.get("RANKFS_RANK")
+    return None if value is None else _number("RANKFS_RANK", value, minimum=0)

@@ -1,0 +1,146 @@
+"""Tensors staged in slabs (for copies to a GPU: DMA from page-locked memory). Each group of a
+file's tensors fills one slab, read ahead by the hook's threads in the loaders' order, every free
+thread helping with the group the loader needs first; `get_tensor` waits for its group and returns
+a view into the slab."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from rankfs.loader.files import RankfsFile
+from rankfs.loader.slabs import Slab, pack
+from rankfs.reader.io import read_exactly
+
+BOUNCE_BYTES = 8 << 20
+IOV_MAX = 1024
+RUN_BYTES = 16 << 20
+
+_thread = threading.local()
+
+
+def _bounce(nbytes: int) -> bytearray:
+    """This thread's buffer for whole rows: a fresh one per tensor costs a zero-filled page fault
+    per 4 KiB of it."""
+    buffer = getattr(_thread, "bounce", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _thread.bounce = bytearray(nbytes)
+    return buffer
+
+
+def _read_fully(fd: int, target: memoryview, offset: int, where: str, name: str):
+    if read_exactly(fd, target, offset, f"{where}: tensor {name!r}") < len(target):
+        raise OSError(f"{where}: tensor {name!r}: short read at offset {offset}; the file was truncated")
+
+
+def _runs(blocks: list, limit: bool = True):
+    """Blocks (fd, offset, target, where, name), sorted by fd and offset, in runs adjacent in the
+    file: at most IOV_MAX blocks and about RUN_BYTES each when `limit`, for one preadv."""
+    run: list = []
+    for block in blocks:
+        fd, offset = block[0], block[1]
+        if run and (run[-1][0] != fd or run[-1][1] + len(run[-1][2]) != offset
+                    or limit and (len(run) == IOV_MAX or offset - run[0][1] >= RUN_BYTES)):
+            yield run
+            run = []
+        run.append(block)
+    if run:
+        yield run
+
+
+def _read_run(run: list):
+    fd, offset = run[0][0], run[0][1]
+    try:
+        done = os.preadv(fd, [block[2] for block in run], offset)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{run[0][3]}: tensor {run[0][4]!r}: read at offset {offset} failed: "
+                                 f"{exc.strerror}") from None
+    for _, begin, target, where, name in run:  # what a short read left, block by block
+        if done >= len(target):
+            done -= len(target)
+            continue
+        _read_fully(fd, target[done:], begin + done, where, name)
+        done = 0
+
+
+class StagedFile(RankfsFile):
+    def __init__(self, path: str, hook, placement: dict | None):
+        super().__init__(path, hook, placement)
+        self._demanded: set[int] = set()  # groups the loader waits for
+        self._remaining = [len(group) for group in self.groups]  # tensors not handed out yet
+        self._futures: list[Future | None] = [self._submit(g) for g in range(len(self.groups))]
+
+    def resident(self, name: str, group: int, dtype: torch.dtype) -> torch.Tensor:
+        if group not in self._demanded:
+            self._demanded.add(group)
+            self._hook.budget.wake()  # its read, if waiting for room, waits no more
+        slab, offsets = (self._futures[group] or self._submit(group)).result()
+        self._remaining[group] -= 1
+        if self._remaining[group] == 0:  # the slab now lives exactly as long as its tensors
+            self._futures[group] = None
+        self.count_loaded(name)
+        data = slab.tensor[offsets[name]:offsets[name] + self.resident_bytes(name)]
+        return data.view(dtype).reshape(self.resident_shape(name))
+
+    def close(self):
+        # An unrequested slab would stay alive with its future: drop them all.
+        for future in self._futures:
+            if future is not None:
+                future.cancel()
+        self._futures = [None] * len(self._futures)
+        super().close()
+
+    def _submit(self, group: int) -> Future:
+        """Read a group ahead: the loaders take files in sorted order, each file's groups in order."""
+        return self._hook.executor.submit((self.path, group), self._load, group)
+
+    def _load(self, group: int) -> tuple[Slab, dict[str, int]]:
+        """Runs in a hook thread: fill one slab. Tensors whose bytes are adjacent in the file are read
+        together, in file order, with one scattering preadv each run. Returns the slab and each
+        tensor's offset in it."""
+        names = self.groups[group]
+        offsets = dict(pack([(n, self.resident_bytes(n)) for n in names], 1 << 62)[0])
+        size = offsets[names[-1]] + self.resident_bytes(names[-1])
+        slab = self._hook.slabs.allocate(size, names, self.path, may_wait=lambda: group not in self._demanded)
+        blocks = []  # (fd, file offset, slab target, file name, tensor): contiguous pieces to read
+        reads = []  # (fd, file offset, read): what fills the slab, each read by one thread
+        for name in names:
+            fd, _, where = self.locate(name)
+            target = slab.target(offsets[name], self.resident_bytes(name))
+            begin = self.block(name)
+            if begin is None:
+                reads.append((fd, self.locate(name)[1], functools.partial(self._read_rows, name, target)))
+            else:
+                blocks.append((fd, begin, target, where, name))
+        blocks.sort(key=lambda b: (b[0], b[1]))
+        reads.extend((run[0][0], run[0][1], functools.partial(_read_run, run)) for run in _runs(blocks))
+        # Every free read thread helps: the group the loader needs first is filled first.
+        self._hook.executor.run_all((self.path, group), [read for _, _, read in sorted(reads, key=lambda r: r[:2])])
+        self._hook.slabs.filled(slab)
+        # The pages are not needed twice: keep them out of MemAvailable's way. Only the ranges read:
+        # between them lie other slabs' tensors (which the daemon may have pushed, for a view).
+        for run in _runs(blocks, limit=False):
+            fd, begin = run[0][0], run[0][1]
+            os.posix_fadvise(fd, begin, run[-1][1] + len(run[-1][2]) - begin, os.POSIX_FADV_DONTNEED)
+        return slab, offsets
+
+    def _read_rows(self, name: str, target: memoryview):
+        """A slice spread over rows: whole rows through a bounded buffer, the rank's columns copied
+        out (every page of the rows holds kept bytes)."""
+        fd, begin, where = self.locate(name)
+        rows = self.rows(name)
+        per_read = min(rows.count, max(1, BOUNCE_BYTES // rows.row_bytes))
+        out = np.frombuffer(target, np.uint8).reshape(rows.count, rows.keep_stop - rows.keep_start)
+        bounce = _bounce(per_read * rows.row_bytes)
+        for first in range(0, rows.count, per_read):
+            count = min(per_read, rows.count - first)
+            chunk = memoryview(bounce)[:count * rows.row_bytes]
+            _read_fully(fd, chunk, begin + first * rows.row_bytes, where, name)
+            out[first:first + count] = np.frombuffer(chunk, np.uint8).reshape(count, rows.row_bytes)[
+                :, rows.keep_start:rows.keep_stop]
+        os.posix_fadvise(fd, begin, rows.count * rows.row_bytes, os.POSIX_FADV_DONTNEED)

@@ -1,0 +1,45 @@
+"""What the read engine holds and has done: the byte budget of loaded chunks (--inflight-gb), and its
+counters (the status shows both)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import trio
+
+
+class Budget:
+    """Bytes of loaded chunks the daemon holds (--inflight-gb): reserved before a chunk is read,
+    released once it is freed."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._room = trio.Event()
+
+    def reserve(self, nbytes: int):
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def release(self, nbytes: int):
+        self.used -= nbytes
+        self._room.set()  # wake a prefetcher waiting for room
+        self._room = trio.Event()
+
+    async def wait_for_room(self, nbytes: int):
+        while self.used and self.used + nbytes > self.limit:
+            await self._room.wait()
+
+
+@dataclass
+class Stats:
+    read_bytes: collections.Counter = field(default_factory=collections.Counter)  # per source index
+    on_demand_read_bytes: int = 0  # row stores and plain files, read only when asked
+    demand_loads: int = 0
+    prefetch_loads: int = 0
+    pushed_bytes: int = 0
+    remnant_bytes: int = 0  # read again for what the loader had not read of a chunk let go
+    uncache_pending_bytes: int = 0  # served source pages not yet dropped from the page cache
+    errors: int = 0

@@ -1,0 +1,109 @@
+"""Chunks: the pieces of a virtual file's source runs that the daemon reads in one go, and how a
+read of the file finds them."""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+from rankfs.plan.extents import Extent
+from rankfs.reader.io import PAGE
+
+if TYPE_CHECKING:
+    import trio
+
+    from rankfs.reader.buffers import Backing
+    from rankfs.reader.schedule import FileStream
+
+CHUNK_BYTES = 8 << 20
+ON_DEMAND_CHUNK_BYTES = 1 << 20
+
+
+class Chunk:
+    """A piece of a data extent, read from its source in one go."""
+
+    __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
+                 "tensor", "order", "on_demand", "buffer", "backing", "loading", "served", "prefetched",
+                 "stream_pos", "error", "file_id", "head", "tail", "file")
+
+    def __init__(self, extent: Extent, start: int, length: int):
+        self.start = start  # offset in the virtual file
+        self.length = length
+        self.source = extent.source
+        self.source_offset = extent.source_offset + (start - extent.offset)
+        self.row_bytes = extent.row_bytes  # chunks of masked extents hold whole rows
+        self.keep_start, self.keep_stop = extent.keep_start, extent.keep_stop
+        self.tensor = extent.tensor
+        self.order = extent.order_of(start, start + length)
+        self.on_demand = extent.on_demand
+        self.buffer: memoryview | None = None  # its bytes, while loaded
+        self.backing: Backing | None = None  # the memory `buffer` lies in
+        self.loading: trio.Event | None = None
+        self.served = 0  # bytes handed to the kernel
+        self.prefetched = -1  # the prefetch pass that last read it
+        self.stream_pos = -1  # position in its file's stream
+        self.file: FileStream | None = None
+        self.error: str | None = None  # the last failed read's reason: served as EIO, never as data
+        self.file_id = 0  # the virtual file it belongs to (the serving layer's inode)
+        self.head = b""  # once pushed: the bytes before the pushed pages, and after them
+        self.tail = b""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def as_on_disk(self) -> bool:
+        """Its bytes lie in the source as served (no fill between rows)."""
+        return not self.row_bytes
+
+    def edge(self, lo: int, hi: int) -> memoryview | None:
+        """Bytes [lo, hi) from the edges a push left, if they hold them."""
+        if self.head and hi <= self.start + len(self.head):
+            return memoryview(self.head)[lo - self.start:hi - self.start]
+        tail_start = self.end - len(self.tail)
+        if self.tail and lo >= tail_start:
+            return memoryview(self.tail)[lo - tail_start:hi - tail_start]
+        return None
+
+    def push_range(self) -> tuple[int, int]:
+        """The whole pages a push stores: all but the first page and the partial ones."""
+        return -(-self.start // PAGE) * PAGE + PAGE, self.end // PAGE * PAGE
+
+    def read_span(self, direct_io: bool) -> tuple[int, int]:
+        """[begin, end) in its source of one read of it: O_DIRECT widens it to whole pages."""
+        begin, end = self.source_offset, self.source_offset + self.length
+        if direct_io:
+            return begin // PAGE * PAGE, -(-end // PAGE) * PAGE
+        return begin, end
+
+
+def split_extent(extent: Extent, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    """Chunks of at most chunk_bytes (whole rows for masked extents). On-demand extents (row
+    stores) are read in small pieces: their readers touch a few rows, not the whole table."""
+    step = ON_DEMAND_CHUNK_BYTES if extent.on_demand else chunk_bytes
+    if extent.row_bytes:
+        step = max(extent.row_bytes, chunk_bytes // extent.row_bytes * extent.row_bytes)
+    return [Chunk(extent, start, min(step, extent.end - start))
+            for start in range(extent.offset, extent.end, step)]
+
+
+def overlapping(runs, starts: list[int], offset: int, end: int):
+    """The runs (sorted, adjacent, each with .end; `starts` their first offsets) overlapping
+    [offset, end)."""
+    i = max(0, bisect.bisect_right(starts, offset) - 1)
+    while i < len(runs) and starts[i] < end:
+        if runs[i].end > offset:
+            yield runs[i]
+        i += 1
+
+
+class ChunkRun:
+    """The chunks of one data extent, found by offset."""
+
+    def __init__(self, extent: Extent, chunk_bytes: int = CHUNK_BYTES):
+        self.chunks = split_extent(extent, chunk_bytes)
+        self._starts = [c.start for c in self.chunks]
+
+    def overlapping(self, offset: int, end: int):
+        return overlapping(self.chunks, self._starts, offset, end)

@@ -1,0 +1,91 @@
+"""Reading a chunk's bytes from its source shard, in a worker thread: a resident range of the
+source's map when the chunk lies on disk as served (one copy on its way out, not two), otherwise one
+large read into a buffer with the fill written over the other ranks' columns. A source that is no
+longer the file that was planned is refused, by name."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from rankfs.plan.checkpoint import SourceFile
+from rankfs.plan.layout import FILL_BYTE
+from rankfs.reader.chunks import Chunk
+from rankfs.reader.io import open_for_exact_reads, read_exactly
+from rankfs.reader.mapped import MappedSources
+
+
+class BackingError(OSError):
+    """A source file that cannot be read as planned; the message names it."""
+
+
+class SourceReader:
+    def __init__(self, sources: tuple[SourceFile, ...], direct_io: bool):
+        self.sources = sources
+        self.direct_io = direct_io
+        self._fds: dict[int, int] = {}
+        self._fds_lock = threading.Lock()
+        self.maps = MappedSources([s.path for s in sources], self.fd)
+
+    def fd(self, index: int) -> int:
+        with self._fds_lock:
+            if index not in self._fds:
+                flags = os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0)
+                self._fds[index] = open_for_exact_reads(self.sources[index].path, flags)
+            return self._fds[index]
+
+    def close(self):
+        with self._fds_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def maps_chunk(self, chunk: Chunk) -> bool:
+        """Whether a chunk is served from its source's map (else read into a buffer)."""
+        return chunk.as_on_disk and not self.direct_io
+
+    def check_unchanged(self, index: int):
+        source = self.sources[index]
+        try:
+            st = os.stat(source.path)
+        except OSError as exc:
+            raise BackingError(f"{source.path}: {exc.strerror}") from None
+        if (st.st_size, st.st_mtime_ns, st.st_ino) != (source.size, source.mtime_ns, source.inode):
+            raise BackingError(f"{source.path}: changed since it was mounted "
+                               f"(size {source.size} -> {st.st_size}, mtime or inode differ); "
+                               "remount to serve the new file")
+
+    def mapped_range(self, index: int, begin: int, end: int) -> np.ndarray | None:
+        """Bytes [begin, end) of a source, resident in its map; None when the file cannot be mapped
+        or a page could not be read: a read into a buffer then says what went wrong."""
+        self.check_unchanged(index)
+        try:
+            return self.maps.view(index, begin, end)
+        except (OSError, ValueError):
+            return None
+
+    def read_into(self, chunk: Chunk, buffer: mmap.mmap) -> memoryview:
+        """One large read of the chunk into `buffer` (of its read span's size at least), the fill
+        written outside its slice, and the source's cache dropped. Returns the chunk's bytes."""
+        self.check_unchanged(chunk.source)
+        source = self.sources[chunk.source]
+        begin, end = chunk.read_span(self.direct_io)
+        skip = chunk.source_offset - begin
+        try:
+            done = read_exactly(self.fd(chunk.source), memoryview(buffer)[:end - begin], begin, str(source.path))
+        except OSError as exc:
+            raise BackingError(str(exc)) from None
+        if done < skip + chunk.length:
+            raise BackingError(f"{source.path}: short read at offset {chunk.source_offset} "
+                               f"({max(0, done - skip)} of {chunk.length} bytes); the file was truncated")
+        if not self.direct_io:
+            os.posix_fadvise(self.fd(chunk.source), begin, end - begin, os.POSIX_FADV_DONTNEED)
+        data = memoryview(buffer)[skip:skip + chunk.length]
+        if chunk.row_bytes:
+            rows = np.frombuffer(data, np.uint8).reshape(-1, chunk.row_bytes)
+            rows[:, :chunk.keep_start] = FILL_BYTE
+            rows[:, chunk.keep_stop:] = FILL_BYTE
+        return data

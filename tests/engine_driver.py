@@ -1,0 +1,115 @@
+"""Loads checkpoints with SGLang's or vLLM's real DefaultModelLoader on the CPU, the way the engines
+drive it, into a tiny model whose `load_weights` narrows experts the FusedMoE way; run by
+tests/test_engines.py, under `rankfs run` or not.
+
+    python3 tests/engine_driver.py sglang|vllm JOBS_JSON
+
+JOBS_JSON: [{"directory", "phase": "target"|"draft", "layout": MoELayout fields, "counts": {expert
+group: experts}}, ...], loaded in order in this one process. Prints one JSON line per load: the parameters' digests, the
+releases the hook had made when the load returned, and the process's threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import types
+
+import torch
+
+from dev.bench.engine_like import MoELayout, narrowed
+from rankfs.plan.profiles import BY_NAME
+
+PROFILE = BY_NAME["deepseek-v4"]
+
+
+class TinyMoE(torch.nn.Module):
+    """Stands in for the engine's model class: it consumes the weights iterator and copies each
+    tensor it owns, narrowed as FusedMoE narrows, into a parameter of its own."""
+
+    def __init__(self, phase: str, layout: MoELayout, counts: dict):
+        super().__init__()
+        self.phase, self.layout, self.counts = phase, layout, counts
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name.startswith("mtp.") != (self.phase == "draft"):
+                continue  # the target skips the draft's tensors; the draft takes only those
+            source = narrowed(name, tensor, PROFILE, self.layout, self.counts)
+            if source is not None:
+                self.weights.setdefault(name, torch.empty(source.shape, dtype=source.dtype)).copy_(source)
+        return None
+
+
+def stand_in_for_torchvision():
+    """sglang.srt.model_loader.loader imports torchvision at module level and never calls it on this
+    path; the registry's torchvision is built for a CUDA torch and fails to import beside a CPU one."""
+    import transformers  # noqa: F401  first: it decides once that torchvision is absent
+    vision = types.ModuleType("torchvision")
+    vision.transforms = types.ModuleType("torchvision.transforms")
+    vision.transforms.functional = types.ModuleType("torchvision.transforms.functional")
+    vision.transforms.InterpolationMode = vision.transforms.functional.InterpolationMode = type(
+        "InterpolationMode", (), {"BICUBIC": "bicubic", "BILINEAR": "bilinear"})
+    sys.modules.update({"torchvision": vision, "torchvision.transforms": vision.transforms,
+                        "torchvision.transforms.functional": vision.transforms.functional})
+
+
+def sglang():
+    stand_in_for_torchvision()
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.server_args import ServerArgs
+    published = []
+
+    def load(directory: str, model, is_draft: bool):
+        server_args = ServerArgs(model_path=directory, device="cpu", skip_tokenizer_init=True)
+        if not published:
+            runtime_context.publish(server_args, role="scheduler")
+            published.append(True)
+        model_config = ModelConfig.from_server_args(server_args, model_path=directory, is_draft_model=is_draft)
+        loader = DefaultModelLoader(LoadConfig())
+        # As DefaultModelLoader.load_model does: the weights are a generator, opened inside the call.
+        loader.load_weights_and_postprocess(model, loader._get_all_weights(model_config, model), torch.device("cpu"))
+    return load
+
+
+def vllm(directories: list[str]):
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    # vLLM builds every model config (target and draft) before it loads any.
+    configs = {d: ModelConfig(model=d, tokenizer=d, skip_tokenizer_init=True) for d in directories}
+
+    def load(directory: str, model, is_draft: bool):
+        load_config = LoadConfig()
+        with set_current_vllm_config(VllmConfig(model_config=configs[directory], load_config=load_config)):
+            DefaultModelLoader(load_config).load_weights(model, configs[directory])
+    return load
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def main(engine: str, jobs: list[dict]):
+    load = sglang() if engine == "sglang" else vllm(sorted({job["directory"] for job in jobs}))
+    for job in jobs:
+        model = TinyMoE(job["phase"], MoELayout(**job["layout"]), job["counts"])
+        load(job["directory"], model, job["phase"] == "draft")
+        import rankfs.loader
+        hook = rankfs.loader.current()
+        print(json.dumps({"directory": job["directory"], "phase": job["phase"],
+                          "digests": {n: digest(t) for n, t in sorted(model.weights.items())},
+                          "releases": [r["phase"] for r in hook.releases] if hook else [],
+                          "slabs_alive": [r["slabs_alive"] for r in hook.releases] if hook else [],
+                          "threads": threading.active_count()}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))

@@ -1,0 +1,59 @@
+"""Memory state the tests own: a process's own resident memory, a file's pages in the page cache."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+MIB = 1 << 20
+
+
+def resident_pages(path) -> int:
+    """Pages of a file in the page cache: mincore over a private read-only map (faults nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            if libc.mincore(address, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            libc.munmap(address, size)
+        return sum(v & 1 for v in vec)
+    finally:
+        os.close(fd)
+
+
+def cached_bytes(paths) -> int:
+    return sum(resident_pages(p) for p in paths) * mmap.PAGESIZE
+
+
+def uncache(paths):
+    """Nothing of these files in the page cache (written back first: dirty pages stay cached)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory, anonymous and file-backed (smaps_rollup)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("Rss:"))
+
+
+def vm_hwm(pid: int) -> int:
+    """A process's peak resident memory."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))

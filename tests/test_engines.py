@@ -1,0 +1,107 @@
+"""SGLang's and vLLM's real DefaultModelLoaders, driven as the engines drive them, each in a process
+started with `rankfs run`: every load of a rankfs view (target, then draft) is released exactly once,
+when it returns, with the phase of the view it read; the bytes equal what the same loader gets from
+the original checkpoint; a load of plain files is left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, mounted, rankfs
+from dev.bench.engine_like import expert_counts, shard_files
+from dev.fixtures import deepseek_v4
+from rankfs.plan.profiles import BY_NAME
+
+pytestmark = pytest.mark.mount
+
+SPEC = deepseek_v4.FixtureSpec.tiny()
+LAYOUTS = {  # name -> (mount flags, the engine's MoE layout for that rank)
+    "ep1-sliced": (["--tp-size", 4, "--tp-rank", 1, "--ep-size", 1],
+                   dict(moe_tp_size=4, moe_tp_rank=1, ep_size=1, ep_rank=0, n_experts=SPEC.experts)),
+    "ep2": (["--tp-size", 4, "--tp-rank", 2, "--ep-size", 2],
+            dict(moe_tp_size=2, moe_tp_rank=0, ep_size=2, ep_rank=1, n_experts=SPEC.experts)),
+}
+
+
+def drive(engine: str, jobs: list[dict], hook_env: dict, runner: list[str]) -> tuple[list[dict], str]:
+    """Run the driver; returns its per-load reports and its stderr (where the memlog lines go)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **hook_env}
+    result = subprocess.run([*runner, sys.executable, str(ROOT / "tests" / "engine_driver.py"), engine, json.dumps(jobs)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")], result.stderr
+
+
+def jobs_for(checkpoint, mounts: dict) -> list[dict]:
+    """For each layout: the original checkpoint's target and draft (plain files), then the mount's."""
+    counts = expert_counts(shard_files(checkpoint), BY_NAME["deepseek-v4"])  # the engine's, from its config
+    jobs = []
+    for name, mountpoint in mounts.items():
+        for phase in ("target", "draft"):
+            for directory in (checkpoint, mountpoint / phase):
+                jobs.append(dict(directory=str(directory), phase=phase, layout=LAYOUTS[name][1], counts=counts))
+    return jobs
+
+
+def check(reports: list[dict], stderr: str, expect_releases: bool = True):
+    released = []
+    for original, through_rankfs in zip(reports[::2], reports[1::2]):
+        phase = through_rankfs["phase"]
+        assert original["releases"] == released  # plain files: no load of ours, nothing released
+        assert through_rankfs["digests"] == original["digests"] and original["digests"], phase
+        if expect_releases:
+            released = released + [phase]  # this load, once, when it returned, named by its view
+        assert through_rankfs["releases"] == released
+        assert all(alive == 0 for alive in through_rankfs["slabs_alive"])
+    for phase in ("target", "draft"):
+        assert stderr.count(f"rankfs hook memlog: phase={phase} ") == released.count(phase)
+
+
+@pytest.fixture(scope="module")
+def mounts(tiny_checkpoint, tmp_path_factory):
+    base = tmp_path_factory.mktemp("engines")
+    with mounted(tiny_checkpoint, base / "ep1-sliced", *LAYOUTS["ep1-sliced"][0]) as sliced, \
+            mounted(tiny_checkpoint, base / "ep2", *LAYOUTS["ep2"][0]) as ep2:
+        yield {"ep1-sliced": sliced, "ep2": ep2}
+
+
+@pytest.mark.parametrize("path", ["map", "slab"])
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_each_load_is_released_once_when_it_returns(tiny_checkpoint, mounts, engine, path):
+    reports, stderr = drive(engine, jobs_for(tiny_checkpoint, mounts), {"RANKFS_HOOK_MAP": "on" if path == "map" else "off"},
+                            ["rankfs", "run", "--"])
+    check(reports, stderr)
+    for name, mountpoint in mounts.items():  # every byte came from the sources, nothing read ahead twice
+        status = json.loads(rankfs("status", mountpoint, "--json").stdout)
+        assert status["prefetch_loads"] == 0 and status["pushed_bytes"] == 0
+        assert all(v["hook_loaded_bytes"] == v["planned_bytes"] for v in status["views"])
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_observe_mode_loads_the_stock_way_and_reports(tiny_checkpoint, mounts, engine):
+    reports, stderr = drive(engine, jobs_for(tiny_checkpoint, {"ep1-sliced": mounts["ep1-sliced"]}), {},
+                            ["rankfs", "run", "--observe", "--"])
+    check(reports, stderr)
+    assert "slab_requests=0" in stderr
+
+
+def test_sources_the_engine_cannot_see_are_read_through_the_view(tiny_checkpoint, mounts):
+    """An engine that sees the mount but not the checkpoint behind it (a container): here a mount
+    namespace with an empty tmpfs over the checkpoint. The hook reads the view itself."""
+    sliced = mounts["ep1-sliced"]
+    jobs = [job for job in jobs_for(tiny_checkpoint, {"ep1-sliced": sliced}) if job["directory"] != str(tiny_checkpoint)]
+    before = json.loads(rankfs("status", sliced, "--json").stdout)["read_bytes"]
+    hidden = f"mount -t tmpfs none {tiny_checkpoint} && exec \"$@\""
+    reports, stderr = drive("sglang", jobs, {}, ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                                 hidden, "sh", "rankfs", "run", "--"])
+    assert [r["releases"] for r in reports] == [["target"], ["target", "draft"]]
+    assert "reading through the mount" in stderr or json.loads(
+        rankfs("status", sliced, "--json").stdout)["read_bytes"] > before
+    want = {r["phase"]: r["digests"] for r in drive("sglang", [dict(job, directory=str(tiny_checkpoint))
+                                                               for job in jobs], {}, [])[0]}
+    assert {r["phase"]: r["digests"] for r in reports} == want
