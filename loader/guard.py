@@ -55,6 +55,7 @@ class SlicedTensor(torch.Tensor):
 
 
 def warm_up():
-    """The first operation on a tensor subclass imports torch's symbolic-shape machinery (sympy,
-    500 modules, about a second): do it when the hook is activated, not in the middle of a load."""
+    """The first operation on a tensor subclass imports torch.distributed.tensor and sympy (half a
+    second, holding the GIL): SGLang and vLLM have imported them by the time they load; for other
+    programs the hook does it as it starts, not when the loader first narrows a sliced expert."""
     SlicedTensor("warm-up", (2,), torch.uint8, 0, 0, 1, torch.zeros(1, dtype=torch.uint8)).narrow(0, 0, 1)

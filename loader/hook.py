@@ -53,6 +53,7 @@ class Hook:
         self.executor: OrderedExecutor | None = None  # reads into slabs
         self.map_executor: OrderedExecutor | None = None  # reads mapped tensors ahead
         self.paths: set[str] = set()  # rankfs files the current load opened
+        self.consuming: set = set()  # staged files open with tensors not yet handed out
         self.releases: list[dict] = []
         self._source_maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
@@ -75,14 +76,25 @@ class Hook:
         with self._lock:
             self.paths.add(path)
             if self.mode == "on" and self.executor is None:  # the first file, or one after a release
-                self.executor = OrderedExecutor(self.settings.threads, "rankfs-read")
-                self.map_executor = OrderedExecutor(MAP_READERS, "rankfs-map")
+                self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget)
+                self.map_executor = OrderedExecutor(MAP_READERS, "rankfs-map", self.budget)
         if self.mode == "observe":
             return self.stock_open(path, framework=framework, device=device)
         placement = self.link.placement(path)
         if placement is not None and self.map_sources:
             return MappedFile(path, self, placement)
         return StagedFile(path, self, placement)
+
+    def wake_readers(self):
+        """What the read threads admit may have changed (rankfs.loader.ordered)."""
+        executor = self.executor
+        if executor is not None:
+            executor.wake()
+
+    def consumed_now(self):
+        """The staged file the loader consumes now: the loaders take files in name order, so the
+        first open one with tensors not yet handed out."""
+        return min(list(self.consuming), key=lambda f: f.path, default=None)
 
     def source_map(self, path: str) -> mmap.mmap:
         """A private map of a source shard (opened by the daemon link): mapped tensors view it."""

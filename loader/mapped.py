@@ -41,7 +41,8 @@ class MappedFile(RankfsFile):
         self._let_go_bytes = 0
         self._reserved: set[int] = set()  # groups whose read-ahead holds their unfreed bytes
         self._lock = threading.Lock()
-        self._futures: list[Future] = [hook.map_executor.submit((path, g), self._read_ahead, g)
+        self._futures: list[Future] = [hook.map_executor.submit((path, g), self._read_ahead, g, self._unfreed[g],
+                                                                cost=self._unfreed[g])
                                        for g in range(len(self.groups))]
 
     def resident(self, name: str, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -71,9 +72,16 @@ class MappedFile(RankfsFile):
 
     # -- read-ahead -----------------------------------------------------------------------------
 
-    def _read_ahead(self, group: int):
-        """Runs in a map reader: once the budget has room for the group, queue its pieces."""
-        if not self._reserve(group):
+    def _read_ahead(self, group: int, reserved: int):
+        """Runs in a map reader once the budget had room for the group's `reserved` bytes: queue its
+        pieces (the loader never waits for a mapped group's read-ahead: it faults the pages in
+        itself, so a full budget only holds the read-ahead back)."""
+        with self._lock:
+            unfreed = self._unfreed[group]  # the loader may have let some go since
+            if unfreed:
+                self._reserved.add(group)
+        self._hook.budget.release(reserved - unfreed)
+        if not unfreed:
             return
         names = [n for n in self.groups[group] if n not in self._freed]
         spans = merge_adjacent(((self._placement[n][0], self._placement[n][2]), offset, offset + nbytes)
@@ -92,22 +100,6 @@ class MappedFile(RankfsFile):
         except OSError as exc:  # the loader's fault on it will fail too: say where
             log.error("rankfs hook: %s: reading bytes %d-%d of a source failed: %s", self.path,
                       offset, offset + length, exc)
-
-    def _reserve(self, group: int) -> bool:
-        """Count the bytes of a group the loader may still read against the budget, once it has
-        room: the loader never waits for a mapped group's read-ahead (it faults the pages in
-        itself), so a full budget only holds the read-ahead back. False when the loader has let
-        them all go meanwhile."""
-        wanted = self._unfreed[group]
-        if wanted == 0:
-            return False
-        self._hook.budget.reserve(wanted)
-        with self._lock:
-            unfreed = self._unfreed[group]
-            if unfreed:
-                self._reserved.add(group)
-        self._hook.budget.release(wanted - unfreed)
-        return unfreed > 0
 
     # -- the loader lets go ---------------------------------------------------------------------
 

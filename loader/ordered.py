@@ -1,36 +1,65 @@
 """The hook's read threads: a pool that runs the job the loader will need first, not the one
-submitted first. Loaders open several files at once (SGLang's iterator eight) but consume them
-one after another in sorted order; a first-in-first-out pool would spread the disk over all of them
-while the loader waits on the first."""
+submitted first, and admits reads ahead only as the budget has room.
+
+Loaders open several files at once (SGLang's iterator nine) but consume them one after another in
+sorted order; jobs are keyed (file, group, ...) and run lowest key first. A job with a cost (a
+group read ahead) is admitted, its cost reserved, only in key order and only when the budget has
+room, unless it is urgent (the loader waits for it, in the file it consumes now). So a thread never
+waits for the budget, and what waits for it is what the loader needs last.
+"""
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
 import threading
 from concurrent.futures import Future
+from typing import Callable
+
+from rankfs.loader.budget import Budget
+
+
+class _Job:
+    __slots__ = ("key", "sequence", "future", "fn", "args", "cost", "urgent")
+
+    def __init__(self, key, sequence, future, fn, args, cost, urgent):
+        self.key, self.sequence, self.future, self.fn, self.args = key, sequence, future, fn, args
+        self.cost, self.urgent = cost, urgent
+
+    def __lt__(self, other):
+        return (self.key, self.sequence) < (other.key, other.sequence)
 
 
 class OrderedExecutor:
-    def __init__(self, threads: int, name: str):
-        self._queue: list = []  # (key, sequence, future, fn, args), lowest key first
+    def __init__(self, threads: int, name: str, budget: Budget | None = None):
+        self._queue: list[_Job] = []  # sorted, lowest key first
         self._sequence = itertools.count()
         self._ready = threading.Condition()
         self._closed = False
+        self._budget = budget
+        if budget is not None:
+            budget.on_release(self.wake)
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(threads)]
         for thread in self._threads:
             thread.start()
 
-    def submit(self, key, fn, *args) -> Future:
-        """Run fn(*args) before every queued job with a larger key (ties: in submission order)."""
+    def submit(self, key, fn, *args, cost: int = 0, urgent: Callable[[], bool] | None = None) -> Future:
+        """Run fn(*args) before every queued job with a larger key (ties: in submission order). A
+        job with a cost runs once the budget has room for it and every costly job before it has
+        run, or once urgent() holds."""
         future: Future = Future()
         with self._ready:
             if self._closed:
                 raise RuntimeError("the hook's read threads were shut down")
-            heapq.heappush(self._queue, (key, next(self._sequence), future, fn, args))
+            bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent))
             self._ready.notify()
         return future
+
+    def wake(self):
+        """The budget or a job's urgency has changed: look at the queue again."""
+        with self._ready:
+            self._ready.notify_all()
 
     def run_all(self, key: tuple, jobs: list):
         """Run every job (a callable) on this thread and on whichever others are free for them
@@ -60,24 +89,46 @@ class OrderedExecutor:
         """Cancel what has not started, wait for what has."""
         with self._ready:
             self._closed = True
-            for _, _, future, _, _ in self._queue:
-                future.cancel()
+            for job in self._queue:
+                job.future.cancel()
             self._queue.clear()
             self._ready.notify_all()
         for thread in self._threads:
             thread.join()
 
+    def _admissible(self) -> _Job | None:
+        """The next job to run, its cost reserved: the first costless one, the first costly one if
+        the budget has room for it, or an urgent one (called holding the lock)."""
+        blocked, i = False, 0
+        while i < len(self._queue):
+            job = self._queue[i]
+            if job.future.cancelled():
+                del self._queue[i]
+                continue
+            i += 1
+            if job.cost and self._budget is not None:
+                if not (job.urgent is not None and job.urgent()):
+                    if blocked or not self._budget.fits(job.cost):
+                        blocked = True  # what comes after it waits too, unless urgent or costless
+                        continue
+                self._budget.reserve(job.cost)
+            return self._queue.pop(i - 1)
+        return None
+
     def _work(self):
         while True:
             with self._ready:
-                while not self._queue and not self._closed:
+                job = self._admissible()
+                while job is None and not self._closed:
                     self._ready.wait()
-                if not self._queue:
+                    job = self._admissible()
+                if job is None:
                     return
-                _, _, future, fn, args = heapq.heappop(self._queue)
-            if not future.set_running_or_notify_cancel():
+            if not job.future.set_running_or_notify_cancel():
+                if job.cost and self._budget is not None:
+                    self._budget.release(job.cost)
                 continue
             try:
-                future.set_result(fn(*args))
+                job.future.set_result(job.fn(*job.args))
             except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
+                job.future.set_exception(exc)

@@ -107,16 +107,22 @@ class SlabPool:
         self._idle: list[HostBuffer] = []  # buffers of dead slabs, for the next ones
         self._lock = threading.Lock()
 
-    def allocate(self, nbytes: int, names: list[str], file: str, may_wait: Callable[[], bool]) -> Slab:
-        """A new slab, once the budget has room for it (see Budget.reserve)."""
-        self.budget.reserve(nbytes, may_wait)
+    def footprint(self, nbytes: int) -> int:
+        """The buffer a slab of nbytes takes: a whole slab at least, so that every dead buffer fits
+        the next slab (no new map to fault in and page-lock, nothing to unregister mid-load)."""
+        return max(nbytes, self.slab_bytes)
+
+    def allocate(self, nbytes: int, names: list[str], file: str) -> Slab:
+        """A new slab of nbytes; its footprint is reserved already (by the read threads' admission),
+        and released by its death."""
         slab_id = next(self._ids)
-        buffer = self._reuse(nbytes) or HostBuffer(nbytes)
+        size = self.footprint(nbytes)
+        buffer = self._reuse(size) or HostBuffer(size)
         with self._lock:
             self._live[slab_id] = (file, names, buffer)
             self.stats.slabs += 1
             self.stats.requests += len(names)
-        return Slab(buffer, nbytes, lambda: self._died(slab_id, nbytes, buffer))
+        return Slab(buffer, nbytes, lambda: self._died(slab_id, size, buffer))
 
     def filled(self, slab: Slab):
         """A slab's reads are done: page-lock it for DMA when the pool pins."""
@@ -131,8 +137,8 @@ class SlabPool:
         self.budget.release(nbytes)
 
     def _reuse(self, nbytes: int) -> HostBuffer | None:
-        """An idle buffer that holds nbytes without wasting more than a quarter of it; idle buffers
-        that no longer fit beside the budget in use are unmapped."""
+        """An idle buffer that holds nbytes without wasting more than a quarter of it (a slab's: one
+        of the slab's size); idle buffers that no longer fit beside the budget in use are unmapped."""
         evicted, found = [], None
         with self._lock:
             for i, buffer in enumerate(self._idle):

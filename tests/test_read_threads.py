@@ -1,4 +1,5 @@
-"""The hook's read threads run the read the loader needs first, not the one submitted first."""
+"""The hook's read threads run the read the loader needs first, not the one submitted first, and
+admit reads ahead in that order only as the budget has room, unless the loader waits for them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import threading
 
 import pytest
 
+from rankfs.loader.budget import Budget
 from rankfs.loader.ordered import OrderedExecutor
 
 
@@ -49,4 +51,28 @@ def test_a_group_read_by_every_free_thread_completes_even_when_all_are_busy_with
         raise OSError("model-00001.safetensors: tensor 'x': read failed")
     with pytest.raises(OSError, match="tensor 'x'"):
         pool.run_all(("f", 9), [lambda: None, fail, lambda: None])
+    pool.shutdown()
+
+
+def test_reads_ahead_are_admitted_in_order_as_the_budget_has_room_or_when_urgent():
+    budget = Budget(2)
+    pool = OrderedExecutor(4, "test", budget)
+    gate, ran = threading.Event(), []
+    first = [pool.submit(("a", g), ran.append, ("a", g), cost=1) for g in range(2)]  # fills the budget
+    for future in first:
+        future.result(timeout=10)
+    urgent = threading.Event()
+    later = [pool.submit(("b", g), ran.append, ("b", g), cost=1, urgent=urgent.is_set) for g in range(2)]
+    free = pool.submit(("c", 0), ran.append, ("c", 0))  # costless: never held back
+    free.result(timeout=10)
+    assert ran == [("a", 0), ("a", 1), ("c", 0)] and not any(f.done() for f in later) and budget.used == 2
+    urgent.set()  # the loader waits for them: they go ahead over the budget
+    pool.wake()
+    for future in later:
+        future.result(timeout=10)
+    assert budget.used == 4 and budget.peak == 4
+    budget.release(4)
+    held = pool.submit(("d", 0), ran.append, ("d", 0), cost=3)  # larger than the budget: alone, at once
+    held.result(timeout=10)
+    assert budget.used == 3
     pool.shutdown()

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.distributed.tensor  # noqa: F401  imported by SGLang's and vLLM's loaders before they load
 from safetensors import safe_open
 
 from rankfs.plan.profiles import Profile
@@ -97,16 +98,12 @@ class Progress:
             self.bytes += n
 
 
-def load(directory, profile: Profile, layout: MoELayout, copy_threads: int = 24, open_threads: int = 8,
-         counts: dict | None = None, params: dict | None = None, keep=None, device: str = "cpu",
-         progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    """Load a model directory the engine's way into tensors on `device`; returns {name: parameter}.
-    `keep(name)` picks the model's tensors (the target skips mtp.*); missing weights are an error
-    only when the directory has no shards at all, as in the engines."""
-    files = shard_files(directory)
-    if not files:
-        raise FileNotFoundError(f"{directory}: no *.safetensors files")
-    counts = counts if counts is not None else expert_counts(files, profile)
+def copy_weights(weights, profile: Profile, layout: MoELayout, counts: dict, copy_threads: int = 24,
+                 params: dict | None = None, keep=None, device: str = "cpu",
+                 progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """The model's side of a load: each (name, tensor) it owns, narrowed, copied into its parameter on
+    `device` by a pool of copy threads (parameters made on first sight, as if preallocated).
+    `keep(name)` picks the model's tensors (the target skips mtp.*). Returns {name: parameter}."""
     params = {} if params is None else params
 
     def copy(name, source):
@@ -116,7 +113,7 @@ def load(directory, profile: Profile, layout: MoELayout, copy_threads: int = 24,
 
     with ThreadPoolExecutor(copy_threads) as copies:
         futures = []
-        for name, tensor in iterate(files, open_threads):
+        for name, tensor in weights:
             if keep is not None and not keep(name):
                 continue
             source = narrowed(name, tensor, profile, layout, counts)
@@ -128,3 +125,15 @@ def load(directory, profile: Profile, layout: MoELayout, copy_threads: int = 24,
         for future in futures:
             future.result()
     return params
+
+
+def load(directory, profile: Profile, layout: MoELayout, open_threads: int = 8, counts: dict | None = None,
+         **copying) -> dict[str, torch.Tensor]:
+    """Load a model directory the engine's way: SGLang's buffered iterator over its shards, into
+    copy_weights. Missing weights are an error only when the directory has no shards at all, as in
+    the engines."""
+    files = shard_files(directory)
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors files")
+    counts = counts if counts is not None else expert_counts(files, profile)
+    return copy_weights(iterate(files, open_threads), profile, layout, counts, **copying)

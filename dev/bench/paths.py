@@ -1,9 +1,9 @@
-"""One benchmark path, run in a process of its own so that its peak RSS is its own:
+"""One benchmark path, run in a process of its own so that its peak memory is its own:
 
     python3 -m dev.bench.paths KIND < arguments.json   ->  one JSON line on stdout
 
-KIND: engine (the engine-like loader over a directory, optionally through the hook), runai,
-fastsafetensors, raw (parallel preads of exact byte ranges, O_DIRECT or buffered).
+KIND: load (a source from dev.bench.sources into the engine-like copies, optionally through the
+hook), raw (parallel preads of exact byte ranges, O_DIRECT or buffered, optionally copied to CUDA).
 """
 
 from __future__ import annotations
@@ -16,26 +16,26 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dev.bench.engine_like import MoELayout, Progress, expert_counts, load, shard_files
+from dev.bench import sources
+from dev.bench.engine_like import MoELayout, Progress, copy_weights, expert_counts, shard_files
 from rankfs.plan.profiles import BY_NAME
+
+PROFILE = BY_NAME["deepseek-v4"]
 
 
 def _peak_rss() -> int:
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _timed(work, progress: Progress) -> dict:
     """Runs `work` and times it; whatever it returns is freed after the clock stops (an engine keeps
-    its weights: their munmap is no part of a load)."""
+    its weights: their freeing is no part of a load)."""
     samples, done = [], threading.Event()
     began = time.monotonic()
 
     def sample():
-        while not done.wait(0.05):
+        while not done.wait(0.02):
             samples.append((round(time.monotonic() - began, 3), progress.bytes))
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -48,66 +48,66 @@ def _timed(work, progress: Progress) -> dict:
     return {"seconds": seconds, "bytes": progress.bytes, "timeline": samples, "peak_rss": _peak_rss()}
 
 
-def run_engine(args: dict) -> dict:
+def _weights(args: dict):
+    """The (name, tensor) iterator of a load, and what was staged before the clock."""
+    files = shard_files(args["directory"])
+    kind = args["source"]
+    if kind == "stock":
+        return sources.stock(files)
+    if kind == "staged":
+        return sources.Staged(files, set(args["names"]), pin=args["device"] != "cpu")
+    if kind == "instanttensor":
+        return sources.instanttensor(files, args["device"], args.get("backend"),
+                                     set(args["names"]) if args.get("filtered") else None)
+    if kind == "fastsafetensors":
+        return sources.fastsafetensors(files, args["device"])
+    if kind == "runai":
+        return sources.runai(files)
+    raise ValueError(f"unknown source {kind!r}")
+
+
+def run_load(args: dict) -> dict:
     import torch
     if args.get("hook"):
-        import rankfs.loader as loader
-        loader.activate("on")
-    profile = BY_NAME[args["profile"]]
+        import rankfs.loader
+        rankfs.loader.activate("on")
     layout = MoELayout(**args["layout"])
-    counts = expert_counts(shard_files(args["counts_from"]), profile)
-    progress = Progress()
+    counts = expert_counts(shard_files(args["counts_from"]), PROFILE)
     config = json.loads(open(os.path.join(args["counts_from"], "config.json")).read())
-    keep = (lambda name: not profile.is_draft(name, config))
+    keep = (lambda name: not PROFILE.is_draft(name, config))
+    progress = Progress()
+    if args["device"] != "cpu":
+        torch.empty(1, device=args["device"])  # the CUDA context is the engine's, made before it loads
+        args["device"] = f"cuda:{torch.cuda.current_device()}"  # the peers want an index
+    weights = _weights(args)
 
     def work():
-        params = load(args["directory"], profile, layout, counts=counts, keep=keep, device=args["device"],
-                      progress=progress)
+        params = copy_weights(weights, PROFILE, layout, counts, keep=keep, device=args["device"], progress=progress)
         if args["device"] != "cpu":
             torch.cuda.synchronize()
         return params
     result = _timed(work, progress)
     if args.get("hook"):
-        import rankfs.loader as loader
-        result["release"] = {k: v for k, v in loader.release("target").items()
-                             if k in ("slabs", "slab_requests", "peak_slab_bytes", "slabs_alive", "pinned",
-                                      "nontorch_since_load_start")}
+        import rankfs.loader
+        figures = rankfs.loader.release("target")
+        result["release"] = {k: figures[k] for k in ("slabs", "slab_requests", "peak_slab_bytes", "slabs_alive",
+                                                     "pinned", "pinned_bytes", "nontorch_since_load_start")}
     return result
-
-
-def run_runai(args: dict) -> dict:
-    from runai_model_streamer import SafetensorsStreamer
-    progress = Progress()
-
-    def work():
-        with SafetensorsStreamer() as streamer:
-            streamer.stream_files(args["files"])
-            for _, tensor in streamer.get_tensors():
-                progress.add(tensor.numel() * tensor.element_size())
-    return _timed(work, progress)
-
-
-def run_fastsafetensors(args: dict) -> dict:
-    from fastsafetensors import fastsafe_open
-    progress = Progress()
-
-    def work():
-        with fastsafe_open(filenames=args["files"], nogds=True, device="cpu") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                progress.add(tensor.numel() * tensor.element_size())
-    return _timed(work, progress)
 
 
 def run_raw(args: dict) -> dict:
     """The limit: exactly the rank's byte ranges, 16 threads, 16 MiB requests, each thread reading
-    into one buffer of its own (a fresh one per read costs a zero-filled page fault per 4 KiB)."""
-    direct = args["direct"]
+    into one buffer of its own (a fresh one per read costs a zero-filled page fault per 4 KiB); with
+    `h2d`, each piece then copied into CUDA memory from page-locked buffers."""
+    direct, h2d = args["direct"], args.get("h2d", False)
     piece = 16 << 20
     progress = Progress()
     jobs = [(path, off + i, min(piece, length - i)) for path, off, length in args["ranges"]
             for i in range(0, length, piece)]
-    buffers = threading.local()
+    local = threading.local()
+    if h2d:
+        import torch
+        target = torch.empty(piece, dtype=torch.uint8, device="cuda")
 
     def read(job):
         path, offset, length = job
@@ -115,9 +115,17 @@ def run_raw(args: dict) -> dict:
         try:
             start = offset - offset % 4096 if direct else offset
             end = -(-(offset + length) // 4096) * 4096 if direct else offset + length
-            if not hasattr(buffers, "map"):
-                buffers.map = mmap.mmap(-1, piece + 2 * 4096)
-            os.preadv(fd, [memoryview(buffers.map)[:end - start]], start)
+            if not hasattr(local, "map"):
+                local.map = mmap.mmap(-1, piece + 2 * 4096)
+                if h2d:
+                    local.host = torch.frombuffer(local.map, dtype=torch.uint8)
+                    torch.cuda.cudart().cudaHostRegister(local.host.data_ptr(), len(local.map), 0)
+                    local.stream = torch.cuda.Stream()
+            os.preadv(fd, [memoryview(local.map)[:end - start]], start)
+            if h2d:
+                with torch.cuda.stream(local.stream):
+                    target[:length].copy_(local.host[offset - start:offset - start + length], non_blocking=True)
+                local.stream.synchronize()
             progress.add(length)
         finally:
             os.close(fd)
@@ -128,7 +136,7 @@ def run_raw(args: dict) -> dict:
     return _timed(work, progress)
 
 
-RUNNERS = {"engine": run_engine, "runai": run_runai, "fastsafetensors": run_fastsafetensors, "raw": run_raw}
+RUNNERS = {"load": run_load, "raw": run_raw}
 
 if __name__ == "__main__":
     kind, payload = sys.argv[1], json.load(sys.stdin)

@@ -1,14 +1,25 @@
-"""The benchmark: one run compares, for one rank's view of a generated checkpoint, the stock
-engine-style path, rankfs (with and without the hook), the peers that run here, and the physical
-limit (the fastest raw read of exactly the bytes the rank needs); then the same loader with the
-backing files in page cache, where what is left is the cost of the FUSE path.
+"""The benchmark: one run compares, for one rank of a generated checkpoint, rankfs (with and without
+the hook) against the stock engine path, the peers, the engine's own ceiling and the limit of the
+storage, on the same data.
 
-    python3 -m dev bench [--size-gb 8] [--cases ep2,ep1-sliced] [--device cpu|cuda] [--out DIR]
+    python3 -m dev bench [--size-gb 8] [--cases ep2,ep1-sliced] [--modes cold,warm] [--device cpu|cuda]
+                         [--peers instanttensor,fastsafetensors,runai] [--out DIR]
 
-Prints one table per rank case (seconds, GB/s of the rank's bytes, ratio to the limit, peak RSS of
-loader and daemon, MemAvailable lost and page cache left after the load), writes results.json and
-a PNG of bytes over time per path. Ratios from one run hold; absolute times on shared machines do
-not. Caches are dropped before each cold path (needs root; otherwise it says so).
+Modes: `cold` drops the page cache before each path (needs root); `warm` reads the sources into it
+first (the stand-in for storage faster than the disk); `tmpfs` copies the checkpoint into /dev/shm.
+Every load runs the same engine-like loader (SGLang's buffered iterator, FusedMoE narrowing, 24 copy
+threads into preallocated parameters on --device), fed by the path's source:
+
+    limit            16 threads of exact preads of the rank's bytes (+ H2D on CUDA): the storage's best
+    engine ceiling   tensors staged in page-locked memory before the clock: the engine's own cost
+    stock            safe_open (mmap) of the original shards
+    rankfs           the same loader on the rank's view, through FUSE
+    rankfs + hook    the same, under the hook (rankfs run): tensors read from the sources directly
+    <peer>           each peer as an engine uses it as a load format, on the originals and on the view
+
+It prints, per case and mode, seconds, GB/s of the rank's bytes, the ratio to the limit, time to
+the first byte landed, the steady rate, peak memory of loader and daemon, the hook's peak pinned
+bytes and what stayed in page cache; writes results.json and timeline.png.
 """
 
 from __future__ import annotations
@@ -16,23 +27,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dev.fixtures import deepseek_v4
-from rankfs.loader.memory import meminfo
 from dev.session import ROOT, mounted
+from rankfs import contract
+from rankfs.loader.memory import meminfo
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import plan_rank
+from rankfs.plan.profiles import BY_NAME
 from rankfs.plan.spec import RankSpec
-from rankfs.reader.io import block_queue, merge_adjacent
+from rankfs.reader.io import merge_adjacent
 
 CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), an EP1 rank (sliced)
     "ep2": (4, 0, 2),
     "ep1-sliced": (4, 1, 1),
 }
+PEERS = ("instanttensor", "fastsafetensors", "runai")
+PATHS = ("limit", "ceiling", "stock", "rankfs", "hook", "peers", "peers-on-view")
+# InstantTensor's configurations: its default, and its best for the mode (its own guidance).
+INSTANTTENSOR_BEST = {"cold": None, "warm": "URING_BUFFERED", "tmpfs": "MMAP"}
 
 
 def drop_caches() -> bool:
@@ -44,21 +63,26 @@ def drop_caches() -> bool:
 
 
 def warm(files):
-    for path in files:
+    """The files into the page cache, eight at a time."""
+    def read(path):
         with open(path, "rb") as f:
             while f.read(16 << 20):
                 pass
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(read, files))
 
 
-def readahead_file(path: Path) -> Path:
-    return block_queue(path) / "read_ahead_kb"
+PATH_TIMEOUT = 300  # seconds one path may take
 
 
 def run_path(kind: str, args: dict) -> dict:
-    result = subprocess.run([sys.executable, "-m", "dev.bench.paths", kind], input=json.dumps(args), cwd=ROOT,
-                            capture_output=True, text=True)
+    try:
+        result = subprocess.run([sys.executable, "-m", "dev.bench.paths", kind], input=json.dumps(args), cwd=ROOT,
+                                capture_output=True, text=True, timeout=PATH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"took over {PATH_TIMEOUT} s"}
     if result.returncode != 0:
-        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
+        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1][:300]}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -70,108 +94,145 @@ def rank_ranges(layout) -> list[tuple[str, int, int]]:
     return [(path, begin, end - begin) for path, begin, end in merge_adjacent(spans)]
 
 
-class Bench:
-    def __init__(self, checkpoint: Path, workdir: Path, device: str, log):
-        self.checkpoint, self.workdir, self.device, self.log = checkpoint, workdir, device, log
-        self.can_drop = os.geteuid() == 0
-
-    def measure(self, label: str, kind: str, args: dict, cold: bool, mounted: Path | None = None) -> dict:
-        if cold:
-            drop_caches()
-        before = meminfo()
-        result = run_path(kind, args)
-        after = meminfo()
-        result.update(path=label, cold=cold, mem_available_lost=before["MemAvailable"] - after["MemAvailable"],
-                      cached_after=after["Cached"] - before["Cached"])
-        if mounted is not None:
-            status = json.loads((mounted / ".rankfs" / "status.json").read_text())
-            result["daemon_peak_rss"] = _vm_hwm(status["pid"])
-            result["daemon_read_bytes"] = status["read_bytes"]
-        self.log(f"  {label:<34} {result.get('seconds', float('nan')):7.2f} s"
-                 + (f"  ERROR {result['error']}" if "error" in result else ""))
-        return result
-
-    def engine_args(self, directory: Path, spec: RankSpec, hook: bool = False) -> dict:
-        return {"directory": str(directory), "counts_from": str(self.checkpoint), "profile": "deepseek-v4",
-                "device": self.device, "hook": hook,
-                "layout": {"moe_tp_size": spec.moe_tp_size, "moe_tp_rank": spec.moe_tp_rank,
-                           "ep_size": spec.ep_size, "ep_rank": spec.ep_rank}}
-
-    def mounted_run(self, label: str, spec: RankSpec, cold: bool, hook: bool = False) -> dict:
-        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size)
-        with mounted(self.checkpoint, self.workdir / "mnt", *flags, log=self.workdir / "rankfs.log") as mnt:
-            return self.measure(label, "engine", self.engine_args(mnt / "target", spec, hook), cold, mounted=mnt)
-
-    def case(self, name: str) -> dict:
-        tp_size, tp_rank, ep_size = CASES[name]
-        spec = RankSpec(tp_size, tp_rank, ep_size)
-        layout = plan_rank(Checkpoint.open(self.checkpoint), spec)
-        planned = layout.view("target").summary()
-        ranges = rank_ranges(layout)
-        originals = sorted({str(layout.sources[f.source].path) for f in layout.view("target").files})
-        all_files = sorted(str(p) for p in self.checkpoint.glob("*.safetensors"))
-        self.log(f"\n{name}: {spec.describe()}; reads {planned['read_bytes'] / 1e9:.2f} GB, keeps "
-                 f"{planned['kept_bytes'] / 1e9:.2f} GB")
-        rows = []
-        limit = [self.measure("limit: O_DIRECT preads", "raw", {"ranges": ranges, "direct": True}, True),
-                 self.measure("limit: buffered preads", "raw", {"ranges": ranges, "direct": False}, True)]
-        rows.extend(limit)
-        rows.append(self.measure("stock (engine-like, mmap)", "engine",
-                                 self.engine_args(self.checkpoint, spec), True))
-        ra_file = readahead_file(self.checkpoint)
-        saved = ra_file.read_text().strip()
-        try:
-            ra_file.write_text("128\n")
-            rows.append(self.measure("stock, readahead 128 KiB", "engine",
-                                     self.engine_args(self.checkpoint, spec), True))
-        finally:
-            ra_file.write_text(saved + "\n")
-        rows.append(self.mounted_run("rankfs", spec, cold=True))
-        rows.append(self.mounted_run("rankfs + hook", spec, cold=True, hook=True))
-        rows.append(self.measure("runai-model-streamer", "runai", {"files": originals}, True))
-        rows.append(self.measure("fastsafetensors", "fastsafetensors", {"files": originals}, True))
-        # Before each: rankfs drops the source pages it has read (nothing cached twice).
-        warm(all_files)
-        rows.append(self.measure("warm: stock", "engine", self.engine_args(self.checkpoint, spec), False))
-        warm(all_files)
-        rows.append(self.mounted_run("warm: rankfs", spec, cold=False))
-        warm(all_files)
-        rows.append(self.mounted_run("warm: rankfs + hook", spec, cold=False, hook=True))
-        best_limit = min(r["seconds"] for r in limit if "seconds" in r)
-        for r in rows:
-            if "seconds" in r:
-                r["gb_per_s"] = planned["read_bytes"] / r["seconds"] / 1e9
-                r["ratio_to_limit"] = best_limit / r["seconds"]
-        return {"case": name, "spec": spec.describe(), "plan": planned, "readahead_kb": saved, "rows": rows}
+def _status(mountpoint: Path) -> dict:
+    return contract.read_status(str(mountpoint))
 
 
 def _vm_hwm(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     except OSError:
-        pass
-    return 0
+        return 0
+
+
+def shape(result: dict, planned: int):
+    """Time to the first byte landed, and the rate between a tenth and nine tenths of the bytes."""
+    timeline = result.get("timeline") or []
+    first = next((t for t, b in timeline if b > 0), None)
+    total = result.get("bytes") or 0
+    lo = next((t for t, b in timeline if b >= 0.1 * total), None)
+    hi = next((t for t, b in timeline if b >= 0.9 * total), None)
+    result["ttfb"] = first
+    result["steady_gb_per_s"] = 0.8 * total / (hi - lo) / 1e9 if lo is not None and hi and hi > lo else None
+    if "seconds" in result:
+        result["gb_per_s"] = planned / result["seconds"] / 1e9
+
+
+class Bench:
+    def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
+                 journal: Path):
+        self.checkpoint, self.workdir, self.device, self.peers, self.log = checkpoint, workdir, device, peers, log
+        self.paths, self.journal = paths, journal
+
+    def measure(self, label: str, kind: str, args: dict, mode: str, files: list[str],
+                mountpoint: Path | None = None) -> dict:
+        if mode == "cold":
+            drop_caches()
+        else:
+            warm(files)
+        before = meminfo()
+        result = run_path(kind, args)
+        after = meminfo()
+        result.update(path=label, mode=mode, cached_after=after["Cached"] - before["Cached"])
+        if mountpoint is not None:
+            status = _status(mountpoint)
+            result["daemon_peak_rss"] = _vm_hwm(status["pid"])
+            result["daemon_read_bytes"] = status["read_bytes"]
+        self.log(f"  {mode:<5} {label:<36} {result.get('seconds', float('nan')):7.2f} s"
+                 + (f"  ERROR {result['error']}" if "error" in result else ""))
+        with open(self.journal, "a") as f:  # each row as it comes: a run cut short keeps what it measured
+            f.write(json.dumps({"checkpoint": str(self.checkpoint), **result}) + "\n")
+        return result
+
+    def load_args(self, directory, spec: RankSpec, source: str = "stock", **extra) -> dict:
+        return {"directory": str(directory), "counts_from": str(self.checkpoint), "device": self.device,
+                "source": source, **extra,
+                "layout": {"moe_tp_size": spec.moe_tp_size, "moe_tp_rank": spec.moe_tp_rank,
+                           "ep_size": spec.ep_size, "ep_rank": spec.ep_rank}}
+
+    def mounted(self, spec: RankSpec):
+        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size)
+        return mounted(self.checkpoint, self.workdir / "mnt", *flags, log=self.workdir / "rankfs.log")
+
+    def case(self, name: str, modes: list[str]) -> dict:
+        tp_size, tp_rank, ep_size = CASES[name]
+        spec = RankSpec(tp_size, tp_rank, ep_size)
+        layout = plan_rank(Checkpoint.open(self.checkpoint), spec)
+        target = layout.view("target")
+        planned = target.summary()
+        ranges = rank_ranges(layout)
+        files = sorted(str(p) for p in self.checkpoint.glob("*.safetensors"))
+        names = [n for f in target.files for n in f.tensor_names if not BY_NAME["deepseek-v4"].is_on_demand(n)]
+        self.log(f"\n{name}: {spec.describe()}; reads {planned['read_bytes'] / 1e9:.2f} GB, keeps "
+                 f"{planned['kept_bytes'] / 1e9:.2f} GB")
+        rows = []
+        for mode in modes:
+            rows += self.mode_rows(mode, spec, ranges, files, names)
+        for row in rows:
+            shape(row, planned["read_bytes"])
+        for mode in modes:
+            limit = min((r["seconds"] for r in rows if r["mode"] == mode and r["path"].startswith("limit")
+                         and "seconds" in r), default=None)
+            for row in rows:
+                if row["mode"] == mode and "seconds" in row and limit:
+                    row["ratio_to_limit"] = limit / row["seconds"]
+        return {"case": name, "spec": spec.describe(), "plan": planned, "rows": rows}
+
+    def mode_rows(self, mode: str, spec: RankSpec, ranges, files, names) -> list[dict]:
+        rows = []
+        measure = lambda label, kind, args, mnt=None: rows.append(  # noqa: E731
+            self.measure(label, kind, args, mode, files, mnt))
+        cuda, paths = self.device != "cpu", self.paths
+        if "limit" in paths:
+            if mode == "cold":
+                measure("limit: O_DIRECT preads", "raw", {"ranges": ranges, "direct": True})
+            measure("limit: buffered preads", "raw", {"ranges": ranges, "direct": False})
+            if cuda:
+                measure("limit: preads + H2D", "raw", {"ranges": ranges, "direct": False, "h2d": True})
+        if mode != "cold" and "ceiling" in paths:
+            measure("engine ceiling (staged, pinned)", "load",
+                    self.load_args(self.checkpoint, spec, "staged", names=names))
+        if "stock" in paths:
+            measure("stock (engine-like, mmap)", "load", self.load_args(self.checkpoint, spec))
+        if "rankfs" in paths:
+            with self.mounted(spec) as mnt:
+                measure("rankfs", "load", self.load_args(mnt / "target", spec), mnt)
+        if "hook" in paths:
+            with self.mounted(spec) as mnt:
+                measure("rankfs + hook", "load", self.load_args(mnt / "target", spec, hook=True), mnt)
+        for peer in self.peers if {"peers", "peers-on-view"} & paths else ():
+            if peer == "instanttensor" and not cuda:
+                continue
+            configs = [("default", {})]
+            if peer == "instanttensor":
+                best = INSTANTTENSOR_BEST[mode]
+                configs = [("default", {}), (f"{best or 'default'}, rank's tensors", {"backend": best, "filtered": True,
+                                                                                      "names": names})]
+            for config, extra in configs:
+                if "peers" in paths:
+                    measure(f"{peer} ({config})", "load", self.load_args(self.checkpoint, spec, peer, **extra))
+                if "peers-on-view" in paths:
+                    with self.mounted(spec) as mnt:
+                        measure(f"{peer} ({config}) on the view", "load",
+                                self.load_args(mnt / "target", spec, peer, **extra), mnt)
+        return rows
 
 
 def table(result: dict) -> str:
     lines = [f"\n{result['case']}: {result['spec']}",
-             f"{'path':<34} {'s':>7} {'GB/s':>6} {'x limit':>8} {'loader RSS':>11} {'daemon RSS':>11} "
-             f"{'MemAvail lost':>14} {'cache left':>11}"]
+             f"{'mode':<5} {'path':<44} {'s':>6} {'GB/s':>6} {'x limit':>7} {'TTFB s':>6} {'steady':>6} "
+             f"{'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'cache left':>10}"]
+    mib = lambda n: f"{n / 2**20:6.0f} MiB" if n else f"{'-':>10}"  # noqa: E731
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['path']:<34} error: {r['error']}")
+            lines.append(f"{r['mode']:<5} {r['path']:<44} error: {r['error']}")
             continue
-        daemon = f"{r['daemon_peak_rss'] / 2**20:8.0f} MiB" if r.get("daemon_peak_rss") else f"{'-':>11}"
-        lines.append(f"{r['path']:<34} {r['seconds']:7.2f} {r['gb_per_s']:6.2f} {r['ratio_to_limit']:8.2f} "
-                     f"{r['peak_rss'] / 2**20:7.0f} MiB {daemon} {r['mem_available_lost'] / 2**20:10.0f} MiB "
-                     f"{r['cached_after'] / 2**20:7.0f} MiB")
-    stock = next((r for r in result["rows"] if r["path"] == "warm: stock" and "seconds" in r), None)
-    served = next((r for r in result["rows"] if r["path"] == "warm: rankfs" and "seconds" in r), None)
-    if stock and served:
-        lines.append(f"serving rate (warm): rankfs / stock = {stock['seconds'] / served['seconds']:.2f}")
+        pinned = (r.get("release") or {}).get("peak_slab_bytes")
+        lines.append(f"{r['mode']:<5} {r['path']:<44} {r['seconds']:6.2f} {r['gb_per_s']:6.2f} "
+                     f"{r.get('ratio_to_limit', float('nan')):7.2f} {r['ttfb'] or float('nan'):6.2f} "
+                     f"{r['steady_gb_per_s'] or float('nan'):6.2f} {mib(r['peak_rss']):>10} "
+                     f"{mib(r.get('daemon_peak_rss')):>10} {mib(pinned):>11} {mib(max(0, r['cached_after'])):>10}")
     return "\n".join(lines)
 
 
@@ -179,43 +240,61 @@ def plot(results: list[dict], path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 5), squeeze=False)
-    for ax, result in zip(axes[0], results):
+    panels = [(result, mode) for result in results for mode in sorted({r["mode"] for r in result["rows"]})]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (result, mode) in zip(axes[0], panels):
         for r in result["rows"]:
-            if r.get("timeline"):
+            if r["mode"] == mode and r.get("timeline"):
                 t, b = zip(*r["timeline"])
                 ax.plot(t, [x / 1e9 for x in b], label=r["path"])
-        ax.set_title(f"{result['case']}: {result['spec']}", fontsize=9)
+        ax.set_title(f"{result['case']} ({mode}): {result['spec']}", fontsize=9)
         ax.set_xlabel("seconds")
         ax.set_ylabel("GB loaded")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rankfs bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-gb", type=float, default=8.0, help="checkpoint size (default 8)")
+    p = argparse.ArgumentParser(prog="python3 -m dev bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gb", type=float, default=None,
+                   help="checkpoint size, GB (default: 24 with --device cuda, else 8)")
     p.add_argument("--workdir", default="/var/tmp/rankfs-bench", help="where the checkpoint is written")
     p.add_argument("--cases", default="ep2,ep1-sliced", help=f"rank cases: {', '.join(CASES)}")
-    p.add_argument("--device", default="cpu", help="where the loader copies to: cpu or cuda")
+    p.add_argument("--modes", default="cold,warm", help="cold, warm, tmpfs (default: cold,warm)")
+    p.add_argument("--device", default="cpu", help="where the loader copies to: cpu or cuda (default: cpu)")
+    p.add_argument("--peers", default=",".join(PEERS), help="peers to run (default: all; '' for none)")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"rows to run (default: all of {', '.join(PATHS)})")
     p.add_argument("--out", default="bench-results", help="results.json and timeline.png go here")
     args = p.parse_args(argv)
+    size = args.size_gb or (24.0 if args.device != "cpu" else 8.0)
     workdir = Path(args.workdir)
-    checkpoint = workdir / f"checkpoint-{args.size_gb:g}gb"
+    checkpoint = workdir / f"checkpoint-{size:g}gb"
     if not (checkpoint / "config.json").exists():
-        print(f"writing a {args.size_gb:g} GB checkpoint to {checkpoint}", flush=True)
-        deepseek_v4.write(checkpoint, deepseek_v4.FixtureSpec.sized(int(args.size_gb * 1e9)),
+        print(f"writing a {size:g} GB checkpoint to {checkpoint}", flush=True)
+        deepseek_v4.write(checkpoint, deepseek_v4.FixtureSpec.sized(int(size * 1e9)),
                           progress=lambda i, n: print(f"\r  shard {i}/{n}", end="", flush=True))
         print()
-    if os.geteuid() != 0:
-        print("not root: caches cannot be dropped, so every path reads warm", flush=True)
-    bench = Bench(checkpoint, workdir, args.device, lambda line: print(line, flush=True))
-    results = [bench.case(name) for name in args.cases.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    modes = args.modes.split(",")
+    if "cold" in modes and os.geteuid() != 0:
+        print("not root: caches cannot be dropped, so cold paths read warm", flush=True)
+    results = []
+    for mode_group in (["tmpfs"] if "tmpfs" in modes else []) + [[m for m in modes if m != "tmpfs"]]:
+        source = checkpoint
+        if mode_group == ["tmpfs"]:
+            source = Path("/dev/shm") / checkpoint.name
+            shutil.copytree(checkpoint, source, dirs_exist_ok=True)
+        bench = Bench(source, workdir, args.device, [p for p in args.peers.split(",") if p],
+                      set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl")
+        try:
+            results += [bench.case(name, mode_group) for name in args.cases.split(",")]
+        finally:
+            if mode_group == ["tmpfs"]:
+                shutil.rmtree(source)
     (out / "results.json").write_text(json.dumps(
-        {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "size_gb": args.size_gb, "device": args.device,
+        {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "size_gb": size, "device": args.device,
          "results": results}, indent=1))
     for result in results:
         print(table(result))

@@ -1,0 +1,73 @@
+"""Where the benchmark's loads get their tensors: (name, tensor) iterators in the forms the engines
+use as load formats, each feeding the same engine-like copies (engine_like.copy_weights).
+
+    stock            SGLang's buffered iterator over safe_open (mmap): engine_like.iterate
+    staged           tensors already read into page-locked memory before the clock: reading is free,
+                     what is left is the engine's own narrowing and copying (the engine ceiling)
+    instanttensor    instanttensor.safe_open over all files at once, into CUDA, as SGLang's
+                     instanttensor_weights_iterator uses it; with a tensor filter and a backend
+    fastsafetensors  fastsafe_open over the files (whole files into device memory), as SGLang's
+    runai            runai-model-streamer's SafetensorsStreamer (whole files into host memory)
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+from safetensors import safe_open
+
+from dev.bench.engine_like import iterate
+
+
+def stock(files: list[str]):
+    return iterate(files)
+
+
+class Staged:
+    """The tensors `names` of `files`, read into one page-locked buffer in the loaders' order."""
+
+    def __init__(self, files: list[str], names: set[str], pin: bool):
+        entries = []
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                entries += [(name, f.get_tensor(name)) for name in sorted(f.keys()) if name in names]
+        total = sum(t.numel() * t.element_size() for _, t in entries)
+        self._map = mmap.mmap(-1, max(total, 1))
+        buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        if pin:
+            error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 0)
+            assert int(error) == 0, f"cudaHostRegister failed: {error}"
+        self.tensors, offset = [], 0
+        for name, tensor in entries:
+            nbytes = tensor.numel() * tensor.element_size()
+            staged = buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            staged.copy_(tensor)
+            self.tensors.append((name, staged))
+            offset += nbytes
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+
+def instanttensor(files: list[str], device: str, backend: str | None, names: set[str] | None):
+    import instanttensor as it
+    backends = None if backend is None else [it._impl.parse_backend(backend)]
+    with it.safe_open(sorted(files), framework="pt", device=torch.device(device), copy=True, backend=backends,
+                      tensor_filter=sorted(names) if names is not None else None,
+                      tensor_name_match_mode="exact") as f:
+        yield from f.tensors()
+
+
+def fastsafetensors(files: list[str], device: str):
+    from fastsafetensors import fastsafe_open
+    with fastsafe_open(filenames=sorted(files), nogds=True, device=device) as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def runai(files: list[str]):
+    from runai_model_streamer import SafetensorsStreamer
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files(sorted(files))
+        yield from streamer.get_tensors()
