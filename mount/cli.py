@@ -32,6 +32,11 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _switch(group, *flags: str, help: str, **extra):
+    """An option that turns something on (or, with dest and store_false, off)."""
+    group.add_argument(*flags, action=extra.pop("action", "store_true"), help=help, **extra)
+
+
 def _layout_flags(q, one_rank: bool):
     g = q.add_argument_group("rank layout (the engine's flags)")
     g.add_argument("--tp-size", type=int, required=True, metavar="N", help="tensor-parallel size")
@@ -52,9 +57,9 @@ def _layout_flags(q, one_rank: bool):
                         "(default: sglang)")
     g.add_argument("--n-experts", type=int, metavar="K", help="routed experts per layer (default: config.json)")
     g.add_argument("--profile", help="model family (default: detected from config.json; see 'rankfs profiles')")
-    g.add_argument("--allow-outside-symlinks", action="store_true",
-                   help="serve files whose symlinks point outside the checkpoint directory, as in a "
-                        "Hugging Face cache snapshot (default: refused)")
+    _switch(g, "--allow-outside-symlinks",
+            help="serve files whose symlinks point outside the checkpoint directory, as in a Hugging "
+                 "Face cache snapshot (default: refused)")
 
 
 def _gib(text: str) -> float:
@@ -88,42 +93,39 @@ def parser():
     g.add_argument("--inflight-gb", type=_gib, metavar="GIB",
                    help="memory the daemon may hold for read-ahead, in GiB (default: 1, or an eighth "
                         "of the available memory when that is under 8 GiB, at least 0.25)")
-    g.add_argument("--workers", type=int, default=8, metavar="N",
-                   help="source reads in flight at once (default: 8)")
-    g.add_argument("--direct-io", action="store_true",
-                   help="read the sources with O_DIRECT into buffers (default: from maps of the "
-                        "sources, whose page cache is dropped once served)")
-    g.add_argument("--no-push", dest="push", action="store_false",
-                   help="answer every read on the FUSE thread instead of pushing read-ahead into the "
-                        "page cache from threads of its own (default: push; this is for comparison)")
+    g.add_argument("--workers", type=int, default=8, metavar="N", help="source reads in flight at once (default: 8)")
     g.add_argument("--readahead-mb", type=int, default=16, metavar="MIB",
                    help="the mount's kernel readahead, in MiB (default: 16)")
-    g.add_argument("--allow-other", action="store_true",
-                   help="let other users read the mount and write its control file (same as -o "
-                        "allow_other; needs user_allow_other in /etc/fuse.conf for non-root users)")
+    _switch(g, "--direct-io",
+            help="read the sources with O_DIRECT into buffers (default: from maps of the sources, "
+                 "whose page cache is dropped once served)")
+    _switch(g, "--no-push", dest="push", action="store_false",
+            help="answer every read on the FUSE thread instead of pushing read-ahead into the page "
+                 "cache from threads of its own (default: push; this is for comparison)")
+    _switch(g, "--allow-other",
+            help="let other users read the mount and write its control file (same as -o "
+                 "allow_other; needs user_allow_other in /etc/fuse.conf for non-root users)")
     g.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
                    help="FUSE mount options, passed to libfuse (e.g. -o allow_other)")
-    g.add_argument("--debug-fuse", action="store_true", help="log every FUSE request (libfuse's debug option)")
-    g.add_argument("--foreground", "-f", action="store_true", help="stay attached and log to stderr")
+    _switch(g, "--debug-fuse", help="log every FUSE request (libfuse's debug option)")
+    _switch(g, "--foreground", "-f", help="stay attached and log to stderr")
     g.add_argument("--log", metavar="FILE",
                    help="the daemon's log (default: /var/log/rankfs/MOUNTPOINT.log as root, else "
                         "$XDG_STATE_HOME/rankfs/)")
-    g.add_argument("--progress", action="store_true",
-                   help="after mounting, show loading progress until the opened views are loaded")
+    _switch(g, "--progress", help="after mounting, show loading progress until the opened views are loaded")
 
     q = sub.add_parser("umount", help="unmount and stop the daemon",
                        description="Unmount MOUNTPOINT and wait (up to 30 s) for its daemon to end. "
                                    "A mount whose daemon died is cleaned up too.")
     q.add_argument("mountpoint")
-    q.add_argument("--lazy", "-l", action="store_true", help="detach now even if files are still open or mapped")
-    q.add_argument("--force", action="store_true",
-                   help="for a hung daemon: abort its FUSE connection (waiting readers get an error), "
-                        "then detach")
+    _switch(q, "--lazy", "-l", help="detach now even if files are still open or mapped")
+    _switch(q, "--force",
+            help="for a hung daemon: abort its FUSE connection (waiting readers get an error), then detach")
 
     q = sub.add_parser("status", help="live figures of a mount")
     q.add_argument("mountpoint")
-    q.add_argument("--json", action="store_true", help="the daemon's figures as JSON")
-    q.add_argument("--watch", action="store_true", help="refresh every second until interrupted")
+    _switch(q, "--json", help="the daemon's figures as JSON")
+    _switch(q, "--watch", help="refresh every second until interrupted")
 
     q = sub.add_parser("drop", help="drop the views' page cache and the daemon's buffers",
                        description="Release what the daemon holds after a load: its buffers and the "
@@ -135,7 +137,7 @@ def parser():
                                    "the rank keeps, and the bytes kept from its largest file.")
     q.add_argument("checkpoint")
     _layout_flags(q, one_rank=False)
-    q.add_argument("--json", action="store_true", help="a JSON list of rows")
+    _switch(q, "--json", help="a JSON list of rows")
 
     sub.add_parser("profiles", help="list the model families rankfs knows")
 
@@ -146,7 +148,7 @@ def parser():
                                    "engine's weight loading returns, releases everything and logs "
                                    "the memory the KV pool will be sized from. Nothing in the engine "
                                    "is edited. Settings: see the README (RANKFS_HOOK_*).")
-    q.add_argument("--observe", action="store_true", help="only log the memory accounting; load the stock way")
+    _switch(q, "--observe", help="only log the memory accounting; load the stock way")
     q.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     return p
 

@@ -114,7 +114,7 @@ class Daemon:
             "pushed_bytes": stats.pushed_bytes,
             "remnant_bytes": stats.remnant_bytes,
             "uncache_pending_bytes": stats.uncache_pending_bytes,
-            "memory": self.engine.memory(),
+            "memory": self.engine.held.figures(),
             "errors": stats.errors,
             "drops": self.drops,
             "tuning": self.tuning,

@@ -81,6 +81,15 @@ def config_value(config: Mapping, key: str | None):
 _HF_PROJECTIONS = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
 _W123 = {"w1": 0, "w3": 0, "w2": 1}
 
+
+def _experts(group: str, projections: str) -> str:
+    """The pattern of routed-expert names GROUP.experts.E.PROJECTION.*"""
+    return rf"^(?P<group>{group})\.experts\.(?P<expert>\d+)\.(?P<projection>{projections})\."
+
+
+# Hugging Face naming of routed experts under model.layers.L.mlp (DeepSeek-V3, Qwen-MoE).
+_HF_MLP_EXPERTS = _experts(r"model\.layers\.\d+\.mlp", "gate_proj|up_proj|down_proj")
+
 PROFILES: tuple[Profile, ...] = (
     Profile(
         name="deepseek-v4",
@@ -88,8 +97,7 @@ PROFILES: tuple[Profile, ...] = (
                     "mtp.* draft stages, Engram row-store tables on demand",
         model_types=("deepseek_v4",),
         architectures=("DeepseekV4ForCausalLM",),
-        expert_pattern=r"^(?P<group>(?:layers|mtp)\.\d+\.ffn)\.experts\.(?P<expert>\d+)\."
-                       r"(?P<projection>w[123])\.",
+        expert_pattern=_experts(r"(?:layers|mtp)\.\d+\.ffn", "w[123]"),
         narrow_dims=_W123,
         expert_count_keys=("n_routed_experts",),
         draft_pattern=r"^mtp\.",
@@ -101,8 +109,7 @@ PROFILES: tuple[Profile, ...] = (
                     "MTP layers (index >= num_hidden_layers) as the draft",
         model_types=("deepseek_v3", "deepseek_v2", "kimi_k2"),
         architectures=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
-        expert_pattern=r"^(?P<group>model\.layers\.\d+\.mlp)\.experts\.(?P<expert>\d+)\."
-                       r"(?P<projection>gate_proj|up_proj|down_proj)\.",
+        expert_pattern=_HF_MLP_EXPERTS,
         narrow_dims=_HF_PROJECTIONS,
         expert_count_keys=("n_routed_experts",),
         draft_layer_pattern=r"^model\.layers\.(?P<layer>\d+)\.",
@@ -113,8 +120,7 @@ PROFILES: tuple[Profile, ...] = (
         description="Qwen3-MoE (and Qwen2-MoE), Hugging Face naming",
         model_types=("qwen3_moe", "qwen2_moe"),
         architectures=("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"),
-        expert_pattern=r"^(?P<group>model\.layers\.\d+\.mlp)\.experts\.(?P<expert>\d+)\."
-                       r"(?P<projection>gate_proj|up_proj|down_proj)\.",
+        expert_pattern=_HF_MLP_EXPERTS,
         narrow_dims=_HF_PROJECTIONS,
         expert_count_keys=("num_experts",),
     ),
@@ -123,8 +129,7 @@ PROFILES: tuple[Profile, ...] = (
         description="Mixtral, Hugging Face naming (block_sparse_moe.experts.E.w1)",
         model_types=("mixtral",),
         architectures=("MixtralForCausalLM",),
-        expert_pattern=r"^(?P<group>model\.layers\.\d+\.block_sparse_moe)\.experts\.(?P<expert>\d+)\."
-                       r"(?P<projection>w[123])\.",
+        expert_pattern=_experts(r"model\.layers\.\d+\.block_sparse_moe", "w[123]"),
         narrow_dims=_W123,
         expert_count_keys=("num_local_experts",),
     ),

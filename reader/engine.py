@@ -14,17 +14,16 @@ budget.
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
 import math
 
 import trio
 
 from rankfs.plan.checkpoint import SourceFile
-from rankfs.reader.budget import Budget, Stats
-from rankfs.reader.buffers import Backing, BufferPool
+from rankfs.reader.budget import Stats
+from rankfs.reader.buffers import Backing
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk
+from rankfs.reader.holdings import DEMAND_SLACK, Holdings
 from rankfs.reader.loading import BackingError, SourceReader
 from rankfs.reader.schedule import FileStream, ViewStream
 
@@ -39,9 +38,6 @@ PUSH_LAG_CHUNKS = 32
 MIN_PUSH_BYTES = 64 << 10
 # A view is prefetched once it has served this much: a loader, not a look at a header.
 PREFETCH_AFTER_BYTES = 4 * CHUNK_BYTES
-# What reads the loader waits on may hold beyond the budget before prefetched chunks are evicted
-# for them: a few of them at a time, answered and freed right away.
-DEMAND_SLACK = 64 << 20
 
 __all__ = ["BackingError", "ReadEngine", "DEMAND_SLACK"]
 
@@ -51,14 +47,11 @@ class ReadEngine:
                  direct_io: bool = False):
         self.direct_io = direct_io
         self.stats = Stats()
-        self.budget = Budget(budget_bytes)
         self.views: dict[str, ViewStream] = {}
         self._reader = SourceReader(sources, direct_io)
         self._limiter = trio.CapacityLimiter(workers)
-        self._pool = BufferPool(budget_bytes)
-        self._loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
-        self._pushed: dict[int, Chunk] = {}  # those of them whose memory went after a push
-        self._to_uncache: list[tuple[int, int, int]] = []
+        self.held = Holdings(budget_bytes, self._reader, direct_io, self.stats)
+        self.budget = self.held.budget
         self._nursery: trio.Nursery | None = None
         self._pushable_send, self.pushable = trio.open_memory_channel(math.inf)
         self._pushing = False
@@ -82,7 +75,7 @@ class ReadEngine:
         """Own the prefetch tasks until cancelled."""
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self._nursery = self.held.nursery = nursery
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -112,8 +105,8 @@ class ReadEngine:
                 self.stats.demand_loads += 1
                 if file is not None:
                     self._follow_demand(file, chunk)
-                self._free(chunk)  # pushed, and its pages since evicted: read it anew
-                self._make_room(self._cost(chunk))
+                self.held.free(chunk)  # pushed, and its pages since evicted: read it anew
+                self.held.make_room(chunk)
                 chunk.loading = trio.Event()
                 await self._load(chunk)
             else:
@@ -141,8 +134,7 @@ class ReadEngine:
             return None
         self.stats.remnant_bytes += hi - lo
         self.stats.read_bytes[chunk.source] += hi - lo
-        return memoryview(mapped), Backing(functools.partial(self._unmap, chunk.source, begin, begin + hi - lo),
-                                           mapped=True)
+        return memoryview(mapped), self.held.map_range(chunk.source, begin, begin + hi - lo)
 
     def served(self, chunk: Chunk, nbytes: int):
         """Account bytes handed to the kernel; a chunk served whole is freed."""
@@ -150,7 +142,7 @@ class ReadEngine:
         if chunk.file is not None:
             chunk.file.view.served_bytes += nbytes
         if chunk.served >= chunk.length:
-            self._free(chunk)
+            self.held.free(chunk)
 
     # -- pushing into the kernel's page cache ---------------------------------------------------
 
@@ -176,34 +168,22 @@ class ReadEngine:
         chunk.buffer = None
         chunk.backing.done()
         chunk.backing = None
-        self._pushed[id(chunk)] = chunk
+        self.held.pushed[id(chunk)] = chunk
         self.stats.pushed_bytes += end - start
         self.served(chunk, end - start)
 
     def _release_passed(self, file: FileStream):
         # Pushed chunks far behind the loader whose first page it never asked for (their pages were
         # already cached, or evicted and skipped): no longer ahead of it, so no longer budgeted.
-        for chunk in [c for c in self._pushed.values()
+        for chunk in [c for c in self.held.pushed.values()
                       if c.file is file and c.stream_pos < file.frontier - PUSH_LAG_CHUNKS]:
-            self._free(chunk)
-
-    def memory(self) -> dict:
-        """What the engine's memory is in, for the status."""
-        loaded = [c for c in self._loaded.values() if c.backing is not None]
-        return {"created": self._pool.created, "idle": len(self._pool.idle),
-                "replies_owning": sum(c.backing.owners - 1 for c in loaded),
-                "pushed_held": len(self._pushed),
-                "mapped_bytes": sum(c.length for c in loaded if c.backing.mapped),
-                "buffered_bytes": sum(self._cost(c) for c in loaded if not c.backing.mapped),
-                "idle_bytes": self._pool.idle_bytes}
+            self.held.free(chunk)
 
     def drop(self):
         """Free every chunk in memory (after a load, or on request). A view read again after a drop
         is prefetched from its start again."""
         self.drops += 1
-        for chunk in list(self._loaded.values()):
-            self._free(chunk)
-        self._pool.trim()
+        self.held.free_all()
         self._reader.maps.forget()
         for view in self.views.values():
             view.restart()
@@ -228,8 +208,8 @@ class ReadEngine:
             return
         view.hooked = True
         view.restart()
-        for chunk in [c for c in self._loaded.values() if c.file is not None and c.file.view is view]:
-            self._free(chunk)
+        for chunk in [c for c in self.held.loaded.values() if c.file is not None and c.file.view is view]:
+            self.held.free(chunk)
 
     def _follow_demand(self, file: FileStream, chunk: Chunk):
         # A loader far ahead of the prefetcher: skip to where it reads rather than fill the budget
@@ -251,54 +231,12 @@ class ReadEngine:
                     continue  # in memory, being read, or already read by the loader
                 chunk.prefetched = view.passes
                 self.stats.prefetch_loads += 1
-                self.budget.reserve(self._cost(chunk))
+                self.budget.reserve(self.held.cost(chunk))
                 chunk.loading = trio.Event()  # before the task starts: a demand read must wait for it
                 self._nursery.start_soon(self._load, chunk, True)
         finally:
             if view.passes == this_pass:
                 view.running = False
-
-    # -- memory ---------------------------------------------------------------------------------
-
-    def _cost(self, chunk: Chunk) -> int:
-        """What a chunk in memory counts against the budget: its buffer's size."""
-        begin, end = chunk.read_span(self.direct_io)
-        return self._pool.size_class(end - begin)
-
-    def _make_room(self, nbytes: int):
-        """Demand reads may not wait for the budget. They may overdraw it by DEMAND_SLACK (they are
-        freed once answered); past that the oldest unconsumed chunks are evicted."""
-        self.budget.reserve(nbytes)
-        while self.budget.used > self.budget.limit + DEMAND_SLACK and self._loaded:
-            self._free(next(iter(self._loaded.values())))
-
-    def _free(self, chunk: Chunk):
-        """A loaded chunk lets go of its memory and its part of the budget."""
-        if self._loaded.pop(id(chunk), None) is not None:
-            self._pushed.pop(id(chunk), None)
-            if chunk.backing is not None:
-                chunk.backing.done()
-            chunk.backing, chunk.buffer = None, None
-            chunk.head = chunk.tail = b""
-            self.budget.release(self._cost(chunk))
-
-    def _unmap(self, source: int, begin: int, end: int):
-        """A served range of a source's map leaves the map now, and the page cache soon (slower: a
-        worker thread)."""
-        try:
-            self._reader.maps.unmap(source, begin, end)
-        except OSError as exc:  # only memory left behind: worth a warning, not the mount
-            log.warning("could not unmap served source pages: %s", exc)
-        self.stats.uncache_pending_bytes += end - begin
-        self._to_uncache.append((source, begin, end))
-        if len(self._to_uncache) == 1:
-            self._nursery.start_soon(self._uncache)
-
-    async def _uncache(self):
-        while self._to_uncache:
-            ranges, self._to_uncache = self._to_uncache, []
-            await trio.to_thread.run_sync(self._reader.maps.uncache_all, ranges)
-            self.stats.uncache_pending_bytes -= sum(end - begin for _, begin, end in ranges)
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -306,36 +244,30 @@ class ReadEngine:
         """Read a chunk whose `loading` event is set, and wake whoever waits on it. A prefetched
         chunk is then offered for pushing."""
         drops = self.drops
-        buffer = None if self._reader.maps_chunk(chunk) else self._pool.take(self._cost(chunk))
+        buffer = None if self._reader.maps_chunk(chunk) else self.held.pool.take(self.held.cost(chunk))
         try:
             buffer, chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, buffer,
                                                                  limiter=self._limiter)
-            chunk.backing = self._backing(chunk, buffer)
+            chunk.backing = self.held.backing(chunk, buffer)
             chunk.error = None
             if chunk.on_demand:
                 self.stats.on_demand_read_bytes += chunk.length
             else:
                 self.stats.read_bytes[chunk.source] += chunk.length
-            self._loaded[id(chunk)] = chunk
+            self.held.add(chunk)
             if prefetched and self._pushing and drops == self.drops:
                 self._pushable_send.send_nowait(chunk)
         except Exception as exc:  # any failure: the readers get EIO, the daemon keeps serving
             self.stats.errors += 1
-            self.budget.release(self._cost(chunk))
+            self.budget.release(self.held.cost(chunk))
             if buffer is not None:
-                self._pool.give_back(buffer, self.budget.used)
+                self.held.pool.give_back(buffer, self.budget.used)
             chunk.error = str(exc)
             log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor,
                       exc_info=not isinstance(exc, OSError))
         finally:
             event, chunk.loading = chunk.loading, None
             event.set()
-
-    def _backing(self, chunk: Chunk, buffer) -> Backing:
-        if buffer is None:
-            return Backing(functools.partial(self._unmap, chunk.source, chunk.source_offset,
-                                             chunk.source_offset + chunk.length), mapped=True)
-        return Backing(lambda: self._pool.give_back(buffer, self.budget.used))
 
     def _read_chunk(self, chunk: Chunk, buffer):
         """Runs in a worker thread: the chunk's range of its source's map, resident; or a read into
@@ -346,5 +278,5 @@ class ReadEngine:
                 return None, memoryview(mapped)
         if buffer is None:
             begin, end = chunk.read_span(self.direct_io)
-            buffer = self._pool.new(end - begin)
+            buffer = self.held.pool.new(end - begin)
         return buffer, self._reader.read_into(chunk, buffer)

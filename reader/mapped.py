@@ -56,8 +56,8 @@ class MappedSources:
             self._live[index].append((begin, end))
         start, stop = covering_pages(begin, end)
         madvise(source.ctypes.data + start, min(stop, len(source)) - start, MADV_POPULATE_READ)
-        # A fault maps the whole (large) folio around the page, beyond what was asked (1.7 MiB per
-        # 256 KiB populated, here): other ranks' bytes, which would sit in this process's RSS.
+        # A fault maps the whole (large) folio around the page, beyond what was asked: other ranks'
+        # bytes, which would sit in this process's RSS.
         self._unmap_around(index, begin, end)
         return source[begin:end]
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import mounted, rankfs
 from dev.fixtures import deepseek_v4
-from memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
+from dev.memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
 from rankfs import contract
 from rankfs.reader.engine import DEMAND_SLACK
 

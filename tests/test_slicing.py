@@ -13,7 +13,7 @@ import rankfs.loader as loader
 from conftest import mounted
 from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
 from dev.fixtures import deepseek_v4
-from memstate import MIB, cached_bytes, rss_bytes, uncache
+from dev.memstate import MIB, cached_bytes, rss_bytes, uncache
 from rankfs import contract
 from rankfs.loader.guard import SliceMismatch
 from rankfs.plan.checkpoint import Checkpoint

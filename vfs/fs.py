@@ -21,7 +21,7 @@ import trio
 
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.engine import BackingError, ReadEngine
-from rankfs.vfs.tree import Node, ServedFile, Tree, memory_file
+from rankfs.vfs.tree import Content, Node, Tree, memory_content
 
 log = logging.getLogger("rankfs.fs")
 
@@ -46,7 +46,7 @@ class RankFS(pyfuse3.Operations):
         self.tree = tree
         self.engine = engine
         self.command = command  # carries out a control-file command written by process `pid`
-        self._handles: dict[int, ServedFile | int] = {}  # fh -> its file, or the writer's pid (control)
+        self._handles: dict[int, Content | int] = {}  # fh -> its file, or the writer's pid (control)
         self._next_fh = 1
         self._fill = _Fill()
         self.requests = 0  # reads answered, and their bytes: the average tells the request size
@@ -144,10 +144,10 @@ class RankFS(pyfuse3.Operations):
         if flags & WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
         # Generated files are snapshot at open and never cached; the rest stay cached across opens.
-        served = memory_file(node.render()) if node.render else node.served()
-        if served.stream is not None:
-            self.engine.opened(served.stream)
-        self._handles[fh] = served
+        content = memory_content(node.render()) if node.render else node.content()
+        if content.stream is not None:
+            self.engine.opened(content.stream)
+        self._handles[fh] = content
         return pyfuse3.FileInfo(fh=fh, direct_io=node.render is not None, keep_cache=node.render is None)
 
     async def write(self, fh, off, buf):
@@ -160,24 +160,24 @@ class RankFS(pyfuse3.Operations):
         return len(buf)
 
     async def read(self, fh, off, size):
-        served = self._handles[fh]
-        end = min(off + size, served.size)
+        content = self._handles[fh]
+        end = min(off + size, content.size)
         pieces, owned = [], []
         try:
-            for extent in served.extents_at(off, end):
+            for extent in content.extents_at(off, end):
                 lo, hi = max(off, extent.offset), min(end, extent.end)
                 if extent.kind == "header":
-                    pieces.append(memoryview(served.memory)[lo:hi])
+                    pieces.append(memoryview(content.memory)[lo:hi])
                 elif extent.kind == "fill":
                     pieces.append(self._fill.take(hi - lo))
                     self.fill_bytes += hi - lo
                 elif extent.kind == "shared":
                     log.error("%s: EIO: this is the view shared by the local ranks; load it through "
                               "the rankfs hook (rankfs run), which sends each rank to its rank-R/ view",
-                              served.path)
+                              content.path)
                     raise pyfuse3.FUSEError(errno.EIO)
                 else:
-                    for chunk in served.runs[extent.offset].overlapping(lo, hi):
+                    for chunk in content.runs[extent.offset].overlapping(lo, hi):
                         a, b = max(lo, chunk.start), min(hi, chunk.end)
                         piece, backing = await self.engine.read(chunk, a, b)
                         pieces.append(piece)
@@ -187,7 +187,7 @@ class RankFS(pyfuse3.Operations):
         except BaseException as exc:  # nothing is replied from what was gathered
             self.engine.replied(owned)
             if isinstance(exc, BackingError):
-                log.error("%s: EIO for bytes %d-%d: %s", served.path, off, end, exc)
+                log.error("%s: EIO for bytes %d-%d: %s", content.path, off, end, exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             raise
         self.requests += 1
@@ -200,6 +200,6 @@ class RankFS(pyfuse3.Operations):
         return reply
 
     async def release(self, fh):
-        served = self._handles.pop(fh, None)
-        if isinstance(served, ServedFile) and served.stream is not None:
-            self.engine.closed(served.stream)
+        content = self._handles.pop(fh, None)
+        if isinstance(content, Content) and content.stream is not None:
+            self.engine.closed(content.stream)

@@ -33,8 +33,8 @@ ROOT_INODE = 1
 
 
 @dataclass
-class ServedFile:
-    """A regular file's bytes as extents; data extents carry their chunks."""
+class Content:
+    """What a regular file holds: its bytes as extents; data extents carry their chunks."""
 
     size: int
     extents: list[Extent]
@@ -51,30 +51,30 @@ class ServedFile:
 
 
 class LazyView:
-    """A view's virtual shards, served. Built on the first open of one of them: a 48-shard view
+    """A view's virtual shards, as content. Built on the first open of one of them: a 48-shard view
     takes a second to lay out, and the mount must be ready before that."""
 
     def __init__(self, directory: str, view: View, engine: ReadEngine):
         self.directory, self.view, self.engine = directory, view, engine
         self.inodes: list[int] = []  # of its files, by position
-        self._served: list[ServedFile] | None = None
+        self._contents: list[Content] | None = None
 
-    def served(self, position: int) -> ServedFile:
-        if self._served is None:
-            self._served = []
+    def content(self, position: int) -> Content:
+        if self._contents is None:
+            self._contents = []
             for vfile, inode in zip(self.view.files, self.inodes):
                 extents = vfile.extents()
                 runs = {e.offset: ChunkRun(e) for e in extents if e.kind == "data"}
                 for run in runs.values():
                     for chunk in run.chunks:
                         chunk.file_id = inode
-                self._served.append(ServedFile(vfile.size, extents, vfile.header, runs,
+                self._contents.append(Content(vfile.size, extents, vfile.header, runs,
                                                path=f"{self.directory}/{vfile.name}"))
             streams = self.engine.add_view(self.directory, [
-                [c for run in served.runs.values() for c in run.chunks] for served in self._served])
-            for served, stream in zip(self._served, streams):
-                served.stream = stream
-        return self._served[position]
+                [c for run in content.runs.values() for c in run.chunks] for content in self._contents])
+            for content, stream in zip(self._contents, streams):
+                content.stream = stream
+        return self._contents[position]
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Node:
     parent: int
     mtime_ns: int
     children: dict[str, int] | None = None  # directories
-    file: ServedFile | None = None  # regular files with fixed content
+    file: Content | None = None  # regular files with fixed content
     shard: tuple[LazyView, int] | None = None  # virtual shards: their view and position in it
     render: Callable[[], bytes] | None = None  # generated files (status)
     command_mode: int = 0  # the control file: written, never read
@@ -106,15 +106,15 @@ class Node:
             return view.view.files[position].size
         return self.file.size if self.file else 0
 
-    def served(self) -> ServedFile:
+    def content(self) -> Content:
         if self.shard is not None:
             view, position = self.shard
-            return view.served(position)
+            return view.content(position)
         return self.file
 
 
-def memory_file(data: bytes, path: str = "") -> ServedFile:
-    return ServedFile(len(data), [Extent(0, len(data), "header")], data, path=path)
+def memory_content(data: bytes, path: str = "") -> Content:
+    return Content(len(data), [Extent(0, len(data), "header")], data, path=path)
 
 
 class Tree:
@@ -153,7 +153,7 @@ class Tree:
         path = f"{parent.name + '/' if parent.inode != ROOT_INODE else ''}{view.name}"
         directory = self._add(view.name, parent.inode, now, children={})
         self._add_plain_files(directory, path, layout, view)
-        self._add(INDEX_NAME, directory.inode, now, file=memory_file(view.index, f"{path}/{INDEX_NAME}"))
+        self._add(INDEX_NAME, directory.inode, now, file=memory_content(view.index, f"{path}/{INDEX_NAME}"))
         lazy = LazyView(path, view, engine)
         mapping = functools.cache(lambda: sources_json(view, layout.sources))
         self._add(f"{contract.flat_name(path)}.json", self._sources.inode, now, render=mapping)
@@ -166,9 +166,9 @@ class Tree:
         for name, source_index in view.plain_files:
             source = layout.sources[source_index]
             extent = Extent(0, source.size, "data", source_index, 0, tensor=name, on_demand=True)
-            served = ServedFile(source.size, [extent], path=f"{path}/{name}")
-            served.runs[0] = ChunkRun(extent)
-            self._add(name, directory.inode, source.mtime_ns, file=served)
+            content = Content(source.size, [extent], path=f"{path}/{name}")
+            content.runs[0] = ChunkRun(extent)
+            self._add(name, directory.inode, source.mtime_ns, file=content)
 
     def _add_shared_view(self, root: Node, layout: RankLayout, views: list, now: int):
         """The directory every local rank is started with: the union of their shard names and an
@@ -177,14 +177,14 @@ class Tree:
         name = views[0].name
         directory = self._add(name, root.inode, now, children={})
         self._add_plain_files(directory, name, layout, views[0])
-        self._add(INDEX_NAME, directory.inode, now, file=memory_file(index_json(views), f"{name}/{INDEX_NAME}"))
+        self._add(INDEX_NAME, directory.inode, now, file=memory_content(index_json(views), f"{name}/{INDEX_NAME}"))
         sizes: dict[str, int] = {}
         for view in views:
             for vfile in view.files:
                 sizes.setdefault(vfile.name, vfile.size)
         for file_name, size in sorted(sizes.items()):
-            served = ServedFile(size, [Extent(0, size, "shared", tensor=file_name)], path=f"{name}/{file_name}")
-            self._add(file_name, directory.inode, now, file=served)
+            content = Content(size, [Extent(0, size, "shared", tensor=file_name)], path=f"{name}/{file_name}")
+            self._add(file_name, directory.inode, now, file=content)
 
     def lookup(self, parent: int, name: str) -> Node | None:
         node = self.nodes.get(parent)

@@ -18,14 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dev.bench import sources
 from dev.bench.engine_like import MoELayout, Progress, copy_weights, expert_counts, shard_files
+from dev.memstate import vm_hwm
 from rankfs.plan.profiles import BY_NAME
 
 PROFILE = BY_NAME["deepseek-v4"]
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _timed(work, progress: Progress) -> dict:
@@ -45,7 +41,7 @@ def _timed(work, progress: Progress) -> dict:
     sampler.join()
     samples.append((round(seconds, 3), progress.bytes))
     del kept
-    return {"seconds": seconds, "bytes": progress.bytes, "timeline": samples, "peak_rss": _peak_rss()}
+    return {"seconds": seconds, "bytes": progress.bytes, "timeline": samples, "peak_rss": vm_hwm()}
 
 
 def _weights(args: dict):

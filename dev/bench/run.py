@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dev.fixtures import deepseek_v4
+from dev.memstate import vm_hwm
 from dev.session import ROOT, mounted
 from rankfs import contract
 from rankfs.loader.memory import meminfo
@@ -98,14 +99,6 @@ def _status(mountpoint: Path) -> dict:
     return contract.read_status(str(mountpoint))
 
 
-def _vm_hwm(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except OSError:
-        return 0
-
-
 def shape(result: dict, planned: int):
     """Time to the first byte landed, and the rate between a tenth and nine tenths of the bytes."""
     timeline = result.get("timeline") or []
@@ -137,7 +130,7 @@ class Bench:
         result.update(path=label, mode=mode, cached_after=after["Cached"] - before["Cached"])
         if mountpoint is not None:
             status = _status(mountpoint)
-            result["daemon_peak_rss"] = _vm_hwm(status["pid"])
+            result["daemon_peak_rss"] = vm_hwm(status["pid"])
             result["daemon_read_bytes"] = status["read_bytes"]
         self.log(f"  {mode:<5} {label:<36} {result.get('seconds', float('nan')):7.2f} s"
                  + (f"  ERROR {result['error']}" if "error" in result else ""))

@@ -1,4 +1,5 @@
-"""Memory state the tests own: a process's own resident memory, a file's pages in the page cache."""
+"""Memory state a test or a benchmark owns: a process's resident memory, a file's pages in the page
+cache."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def rss_bytes(pid: int | str = "self") -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("Rss:"))
 
 
-def vm_hwm(pid: int) -> int:
+def vm_hwm(pid: int | str = "self") -> int:
     """A process's peak resident memory."""
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))

@@ -1,0 +1,101 @@
+"""What the read engine holds in memory: loaded chunks against the byte budget, the buffers and map
+ranges their bytes lie in, and freeing them (a buffer back to the pool, a map range out of the map
+now and out of the page cache soon, from a worker thread). The event-loop thread does all of this."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+
+import trio
+
+from rankfs.reader.budget import Budget, Stats
+from rankfs.reader.buffers import Backing, BufferPool
+from rankfs.reader.chunks import Chunk
+from rankfs.reader.loading import SourceReader
+
+log = logging.getLogger("rankfs.reader")
+
+# What reads the loader waits on may hold beyond the budget before prefetched chunks are evicted
+# for them: a few of them at a time, answered and freed right away.
+DEMAND_SLACK = 64 << 20
+
+
+class Holdings:
+    def __init__(self, budget_bytes: int, reader: SourceReader, direct_io: bool, stats: Stats):
+        self.budget = Budget(budget_bytes)
+        self.pool = BufferPool(budget_bytes)
+        self.stats = stats
+        self.nursery: trio.Nursery | None = None  # the engine's, for the uncaching task
+        self._reader = reader
+        self._direct_io = direct_io
+        self.loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
+        self.pushed: dict[int, Chunk] = {}  # those of them whose memory went after a push
+        self._to_uncache: list[tuple[int, int, int]] = []
+
+    def cost(self, chunk: Chunk) -> int:
+        """What a chunk in memory counts against the budget: its buffer's size."""
+        begin, end = chunk.read_span(self._direct_io)
+        return self.pool.size_class(end - begin)
+
+    def add(self, chunk: Chunk):
+        self.loaded[id(chunk)] = chunk
+
+    def make_room(self, chunk: Chunk):
+        """Demand reads may not wait for the budget. They may overdraw it by DEMAND_SLACK (they are
+        freed once answered); past that the oldest unconsumed chunks are evicted."""
+        self.budget.reserve(self.cost(chunk))
+        while self.budget.used > self.budget.limit + DEMAND_SLACK and self.loaded:
+            self.free(next(iter(self.loaded.values())))
+
+    def free(self, chunk: Chunk):
+        """A loaded chunk lets go of its memory and its part of the budget."""
+        if self.loaded.pop(id(chunk), None) is not None:
+            self.pushed.pop(id(chunk), None)
+            if chunk.backing is not None:
+                chunk.backing.done()
+            chunk.backing, chunk.buffer = None, None
+            chunk.head = chunk.tail = b""
+            self.budget.release(self.cost(chunk))
+
+    def free_all(self):
+        for chunk in list(self.loaded.values()):
+            self.free(chunk)
+        self.pool.trim()
+
+    def backing(self, chunk: Chunk, buffer) -> Backing:
+        """The backing of a chunk just read: a pool buffer, or (buffer None) its source's map range."""
+        if buffer is None:
+            return self.map_range(chunk.source, chunk.source_offset, chunk.source_offset + chunk.length)
+        return Backing(lambda: self.pool.give_back(buffer, self.budget.used))
+
+    def map_range(self, source: int, begin: int, end: int) -> Backing:
+        return Backing(functools.partial(self._unmap, source, begin, end), mapped=True)
+
+    def _unmap(self, source: int, begin: int, end: int):
+        """A served range of a source's map leaves the map now, and the page cache soon."""
+        try:
+            self._reader.maps.unmap(source, begin, end)
+        except OSError as exc:  # only memory left behind: worth a warning, not the mount
+            log.warning("could not unmap served source pages: %s", exc)
+        self.stats.uncache_pending_bytes += end - begin
+        self._to_uncache.append((source, begin, end))
+        if len(self._to_uncache) == 1:
+            self.nursery.start_soon(self._uncache)
+
+    async def _uncache(self):
+        while self._to_uncache:
+            ranges, self._to_uncache = self._to_uncache, []
+            await trio.to_thread.run_sync(self._reader.maps.uncache_all, ranges)
+            self.stats.uncache_pending_bytes -= sum(end - begin for _, begin, end in ranges)
+
+    def figures(self) -> dict:
+        """What the memory is in, for the status."""
+        loaded = [c for c in self.loaded.values() if c.backing is not None]
+        return {"created": self.pool.created, "idle": len(self.pool.idle),
+                "replies_owning": sum(c.backing.owners - 1 for c in loaded),
+                "pushed_held": len(self.pushed),
+                "mapped_bytes": sum(c.length for c in loaded if c.backing.mapped),
+                "buffered_bytes": sum(self.cost(c) for c in loaded if not c.backing.mapped),
+                "idle_bytes": self.pool.idle_bytes}
