@@ -42,7 +42,7 @@ def _load_view(view: Path, originals: dict[str, Path]) -> tuple[int, int, set[st
                     got, want = got.narrow(dim, start, stop - start), want.narrow(dim, start, stop - start)
                 got, want = got.contiguous().reshape(-1), want.contiguous().reshape(-1)
                 if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
-                    raise SystemExit(f"rankfs demo: {shard.name}: tensor {name} differs from the original")
+                    raise SystemExit(f"demo: {shard.name}: tensor {name} differs from the original")
                 count += 1
                 kept += got.numel() * got.element_size()
                 dtypes.add(str(f.get_slice(name).get_dtype()))

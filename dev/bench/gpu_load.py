@@ -23,7 +23,6 @@ from dev.bench.run import drop_caches
 from dev.session import ROOT, mounted
 
 
-
 def child(mode: str, directory: str, counts_from: str, layout: dict, device: str) -> dict:
     import gc
 
