@@ -36,6 +36,7 @@ class OrderedExecutor:
         self._sequence = itertools.count()
         self._ready = threading.Condition()
         self._closed = False
+        self._held_back = False  # the last look at the queue left a costly job waiting for room
         self._budget = budget
         if budget is not None:
             budget.on_release(self.wake)
@@ -57,9 +58,11 @@ class OrderedExecutor:
         return future
 
     def wake(self):
-        """The budget or a job's urgency has changed: look at the queue again."""
+        """The budget or a job's urgency has changed: if a job was held back, one thread looks at
+        the queue again (each thread that takes a job wakes the next, while there are any)."""
         with self._ready:
-            self._ready.notify_all()
+            if self._held_back:
+                self._ready.notify()
 
     def run_all(self, key: tuple, jobs: list):
         """Run every job (a callable) on this thread and on whichever others are free for them
@@ -100,6 +103,7 @@ class OrderedExecutor:
         """The next job to run, its cost reserved: the first costless one, the first costly one if
         the budget has room for it, or an urgent one (called holding the lock)."""
         blocked, i = False, 0
+        self._held_back = False
         while i < len(self._queue):
             job = self._queue[i]
             if job.future.cancelled():
@@ -109,7 +113,7 @@ class OrderedExecutor:
             if job.cost and self._budget is not None:
                 if not (job.urgent is not None and job.urgent()):
                     if blocked or not self._budget.fits(job.cost):
-                        blocked = True  # what comes after it waits too, unless urgent or costless
+                        blocked = self._held_back = True  # what comes after waits too, unless urgent or costless
                         continue
                 self._budget.reserve(job.cost)
             return self._queue.pop(i - 1)
@@ -124,6 +128,8 @@ class OrderedExecutor:
                     job = self._admissible()
                 if job is None:
                     return
+                if self._queue:  # more may be admissible: the next thread looks
+                    self._ready.notify()
             if not job.future.set_running_or_notify_cancel():
                 if job.cost and self._budget is not None:
                     self._budget.release(job.cost)
