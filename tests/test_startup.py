@@ -52,3 +52,13 @@ def test_the_engines_loaders_are_wrapped_when_imported():
                             text=True, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.splitlines()[-1]) == [True, True]
+
+
+def test_the_hook_imports_nothing_of_the_daemon():
+    """The engine side shares only rankfs.contract (and pure planning and I/O helpers) with the daemon."""
+    probe = ("import json, sys, rankfs.loader.hook;"
+             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'pyfuse3')"
+             " or m.startswith(('rankfs.vfs', 'rankfs.mount', 'rankfs.reader.engine', 'rankfs.plan.layout')))))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
