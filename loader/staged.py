@@ -77,7 +77,7 @@ class StagedFile(RankfsFile):
     def __init__(self, path: str, hook, placement: dict | None):
         super().__init__(path, hook, placement)
         self._demanded: set[int] = set()  # groups the loader waits for
-        self._remaining = [len(group) for group in self.groups]  # tensors not handed out yet
+        self._handed: list[set[str]] = [set() for _ in self.groups]  # per group: tensors handed out
         self._offsets = [dict(pack([(n, self.resident_bytes(n)) for n in group], 1 << 62)[0]) for group in self.groups]
         self._sizes = [offsets[group[-1]] + self.resident_bytes(group[-1])
                        for offsets, group in zip(self._offsets, self.groups)]
@@ -94,10 +94,10 @@ class StagedFile(RankfsFile):
             self._demanded.add(group)
             self._hook.wake_readers()  # its read may now go ahead whatever the budget
         slab, offsets = (self._futures[group] or self._submit(group)).result()
-        self._remaining[group] -= 1
-        if self._remaining[group] == 0:  # the slab now lives exactly as long as its tensors
+        self._handed[group].add(name)
+        if len(self._handed[group]) == len(self.groups[group]):  # the slab lives exactly as long as its tensors
             self._futures[group] = None
-            if not any(self._remaining):
+            if all(len(handed) == len(names) for handed, names in zip(self._handed, self.groups)):
                 self._done_handing_out()
         self.count_loaded(name)
         data = slab.tensor[offsets[name]:offsets[name] + self.resident_bytes(name)]
