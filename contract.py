@@ -56,6 +56,11 @@ class Source(NamedTuple):
     mtime_ns: int
     inode: int
 
+    @classmethod
+    def stat(cls, path) -> "Source":
+        st = os.stat(path)
+        return cls(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
     def unchanged(self, st: os.stat_result) -> bool:
         return (st.st_size, st.st_mtime_ns, st.st_ino) == (self.size, self.mtime_ns, self.inode)
 

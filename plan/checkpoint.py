@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from rankfs.contract import Source
 from rankfs.plan.errors import CheckpointError
 from rankfs.plan.safetensors import ShardHeader, TensorEntry, read_header
 
@@ -16,27 +17,12 @@ CONFIG_NAME = "config.json"
 
 
 @dataclass(frozen=True)
-class SourceFile:
-    """A real file behind the view, with what it looked like when planned."""
-
-    path: Path
-    size: int
-    mtime_ns: int
-    inode: int
-
-    @classmethod
-    def stat(cls, path: Path) -> "SourceFile":
-        st = os.stat(path)
-        return cls(path, st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-@dataclass(frozen=True)
 class Checkpoint:
     root: Path
     config: dict
     shards: tuple[ShardHeader, ...]  # sorted by file name, as the engines open them
-    shard_sources: tuple[SourceFile, ...]  # the shards' files, as stat'ed when planned
-    other_files: tuple[tuple[str, SourceFile], ...]  # config.json, tokenizer files, ... as they are
+    shard_sources: tuple[Source, ...]  # the shards' files, as stat'ed when planned
+    other_files: tuple[tuple[str, Source], ...]  # config.json, tokenizer files, ... as they are
 
     @classmethod
     def open(cls, root: str | os.PathLike, allow_outside_symlinks: bool = False) -> "Checkpoint":
@@ -56,8 +42,8 @@ class Checkpoint:
             raise CheckpointError(root, "no *.safetensors shards")
         shards = tuple(read_header(files[name]) for name in shard_names)
         _check_names(root, shards, index)
-        shard_sources = tuple(SourceFile(s.path, s.file_size, s.mtime_ns, s.inode) for s in shards)
-        others = tuple((n, SourceFile.stat(files[n])) for n in sorted(files)
+        shard_sources = tuple(Source(str(s.path), s.file_size, s.mtime_ns, s.inode) for s in shards)
+        others = tuple((n, Source.stat(files[n])) for n in sorted(files)
                        if not n.endswith(".safetensors") and n != INDEX_NAME)
         return cls(root, config, shards, shard_sources, others)
 
@@ -118,4 +104,4 @@ def _check_names(root: Path, shards: tuple[ShardHeader, ...], index: dict[str, s
                                   f"names tensor {name!r} in {file_name}, whose header has no such tensor")
 
 
-__all__ = ["Checkpoint", "SourceFile", "TensorEntry", "INDEX_NAME", "CONFIG_NAME"]
+__all__ = ["Checkpoint", "TensorEntry", "INDEX_NAME", "CONFIG_NAME"]

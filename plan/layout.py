@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from rankfs import contract
-from rankfs.plan.checkpoint import Checkpoint, SourceFile
+from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.errors import LayoutError
 from rankfs.plan.extents import Extent, merged, tensor_extents
 from rankfs.plan.profiles import BY_NAME, Profile, detect
@@ -170,12 +170,12 @@ def index_json(views: list[View]) -> bytes:
     return json.dumps(body).encode() + b"\n"  # no indent: the C encoder, 5x faster at 100k
 
 
-def sources_json(view: View, sources: tuple[SourceFile, ...]) -> bytes:
+def sources_json(view: View, sources: tuple[contract.Source, ...]) -> bytes:
     """The view's sources map (see rankfs.contract): what the engine hook reads directly."""
     used = sorted({f.source for f in view.files})
     position = {index: i for i, index in enumerate(used)}
     return contract.encode_sources(
-        [contract.Source(str(sources[i].path), sources[i].size, sources[i].mtime_ns, sources[i].inode) for i in used],
+        [sources[i] for i in used],
         {f.name: {t.name: (position[t.source], t.source_offset) for t in f.tensors} for f in view.files})
 
 
@@ -183,7 +183,7 @@ def sources_json(view: View, sources: tuple[SourceFile, ...]) -> bytes:
 class RankLayout:
     spec: RankSpec
     profile: str
-    sources: tuple[SourceFile, ...]
+    sources: tuple[contract.Source, ...]
     views: tuple[View, ...]
     warnings: tuple[str, ...] = field(default=(), compare=False)
 

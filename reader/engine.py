@@ -19,7 +19,7 @@ import math
 
 import trio
 
-from rankfs.plan.checkpoint import SourceFile
+from rankfs.contract import Source
 from rankfs.reader.budget import Stats
 from rankfs.reader.buffers import Backing
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk
@@ -43,7 +43,7 @@ __all__ = ["BackingError", "ReadEngine", "DEMAND_SLACK"]
 
 
 class ReadEngine:
-    def __init__(self, sources: tuple[SourceFile, ...], budget_bytes: int, workers: int = 8,
+    def __init__(self, sources: tuple[Source, ...], budget_bytes: int, workers: int = 8,
                  direct_io: bool = False):
         self.direct_io = direct_io
         self.stats = Stats()

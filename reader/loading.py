@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from rankfs.plan.checkpoint import SourceFile
+from rankfs.contract import Source
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
 from rankfs.reader.io import open_for_exact_reads, read_exactly
@@ -23,7 +23,7 @@ class BackingError(OSError):
 
 
 class SourceReader:
-    def __init__(self, sources: tuple[SourceFile, ...], direct_io: bool):
+    def __init__(self, sources: tuple[Source, ...], direct_io: bool):
         self.sources = sources
         self.direct_io = direct_io
         self._fds: dict[int, int] = {}
@@ -53,7 +53,7 @@ class SourceReader:
             st = os.stat(source.path)
         except OSError as exc:
             raise BackingError(f"{source.path}: {exc.strerror}") from None
-        if (st.st_size, st.st_mtime_ns, st.st_ino) != (source.size, source.mtime_ns, source.inode):
+        if not source.unchanged(st):
             raise BackingError(f"{source.path}: changed since it was mounted "
                                f"(size {source.size} -> {st.st_size}, mtime or inode differ); "
                                "remount to serve the new file")
@@ -75,7 +75,7 @@ class SourceReader:
         begin, end = chunk.read_span(self.direct_io)
         skip = chunk.source_offset - begin
         try:
-            done = read_exactly(self.fd(chunk.source), memoryview(buffer)[:end - begin], begin, str(source.path))
+            done = read_exactly(self.fd(chunk.source), memoryview(buffer)[:end - begin], begin, source.path)
         except OSError as exc:
             raise BackingError(str(exc)) from None
         if done < skip + chunk.length:

@@ -89,7 +89,7 @@ def run_path(kind: str, args: dict) -> dict:
 
 def rank_ranges(layout) -> list[tuple[str, int, int]]:
     """(source path, offset, length) of exactly the bytes the target view reads, merged."""
-    spans = [(str(layout.sources[e.source].path), e.source_offset, e.source_offset + e.length)
+    spans = [(layout.sources[e.source].path, e.source_offset, e.source_offset + e.length)
              for vfile in layout.view("target").files for e in vfile.extents()
              if e.kind == "data" and not e.on_demand]
     return [(path, begin, end - begin) for path, begin, end in merge_adjacent(spans)]
