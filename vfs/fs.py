@@ -107,10 +107,7 @@ class RankFS(pyfuse3.Operations):
     async def _read_only(self, *args, **kwargs):
         raise pyfuse3.FUSEError(errno.EROFS)
 
-    setxattr = removexattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
-
-    async def create(self, parent_inode, name, mode, flags, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+    setxattr = removexattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = create = _read_only
 
     # -- directories ----------------------------------------------------------------------------
 
@@ -192,8 +189,9 @@ class RankFS(pyfuse3.Operations):
             raise
         self.requests += 1
         self.request_bytes += end - off
-        if len(pieces) == 1:  # the reply is the engine's memory: owned until it is written
-            trio.lowlevel.current_trio_token().run_sync_soon(self.engine.replied, owned)
+        if len(pieces) == 1:  # the reply may be the engine's memory: owned until it is written
+            if owned:
+                trio.lowlevel.current_trio_token().run_sync_soon(self.engine.replied, owned)
             return pieces[0]
         reply = b"".join(pieces)
         self.engine.replied(owned)
