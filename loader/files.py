@@ -134,10 +134,10 @@ class RankfsFile:
             return self.locate(name)[1], self._entries[name].nbytes
         return begin, self.resident_bytes(name)
 
-    def count_loaded(self, name: str):
-        """Tell the daemon a tensor is loaded, by the bytes the view serves for it."""
+    def count_loaded(self, nbytes: int):
+        """Tell the daemon a tensor is loaded, by the bytes the view serves for it (its span)."""
         if self._progress is not None:
-            self._progress.add(self.span(name)[1])
+            self._progress.add(nbytes)
 
     def _stock_handle(self, name: str):
         """The stock reader for what the hook leaves to it (row-store tables): on the tensor's

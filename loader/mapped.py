@@ -52,7 +52,7 @@ class MappedFile(RankfsFile):
         if path not in self._maps:  # kept here: the tensors may outlive the hook's release
             self._maps[path] = np.frombuffer(self._hook.source_map(path), np.uint8)
         base = self._maps[path][offset:offset + nbytes]  # an array of its own: its death is the tensor's
-        weakref.finalize(base, self._freed_by_loader, name, group, nbytes).atexit = False
+        weakref.finalize(base, self._freed_by_loader, name, group, path, offset, nbytes).atexit = False
         with self._lock:
             self._alive[name] = self._alive.get(name, 0) + 1
         tensor = torch.from_numpy(base).view(dtype)
@@ -103,7 +103,7 @@ class MappedFile(RankfsFile):
 
     # -- the loader lets go ---------------------------------------------------------------------
 
-    def _freed_by_loader(self, name: str, group: int, nbytes: int):
+    def _freed_by_loader(self, name: str, group: int, path: str, offset: int, nbytes: int):
         with self._lock:
             self._alive[name] -= 1
             if self._alive[name]:  # asked for twice: let go with the last
@@ -113,20 +113,19 @@ class MappedFile(RankfsFile):
             if first:
                 self._unfreed[group] -= nbytes
             reserved = first and group in self._reserved
-        self._unmap(name)
+        self._unmap(path, offset, nbytes)
         if reserved:
             self._hook.budget.release(nbytes)
         if first:
-            self.count_loaded(name)
+            self.count_loaded(nbytes)
 
-    def _unmap(self, name: str):
+    def _unmap(self, path: str, offset: int, nbytes: int):
         """A tensor the loader has let go leaves this process's memory (its pages stay in page
         cache), or every mapped byte would count in its RSS until the release. Batched, adjacent
         tensors merged, with the GIL let go; only pages wholly inside what was let go, since a
         neighbour may still view the pages it shares."""
-        offset, nbytes = self.span(name)
         with self._lock:
-            self._let_go.append((self._placement[name][2], offset, offset + nbytes))
+            self._let_go.append((path, offset, offset + nbytes))
             self._let_go_bytes += nbytes
             if self._let_go_bytes < UNMAP_BATCH_BYTES:
                 return

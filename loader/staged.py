@@ -99,7 +99,7 @@ class StagedFile(RankfsFile):
             self._futures[group] = None
             if all(len(handed) == len(names) for handed, names in zip(self._handed, self.groups)):
                 self._done_handing_out()
-        self.count_loaded(name)
+        self.count_loaded(self.span(name)[1])
         data = slab.tensor[offsets[name]:offsets[name] + self.resident_bytes(name)]
         return data.view(dtype).reshape(self.resident_shape(name))
 
