@@ -95,10 +95,6 @@ def rank_ranges(layout) -> list[tuple[str, int, int]]:
     return [(path, begin, end - begin) for path, begin, end in merge_adjacent(spans)]
 
 
-def _status(mountpoint: Path) -> dict:
-    return contract.read_status(str(mountpoint))
-
-
 def shape(result: dict, planned: int):
     """Time to the first byte landed, and the rate between a tenth and nine tenths of the bytes."""
     timeline = result.get("timeline") or []
@@ -129,7 +125,7 @@ class Bench:
         after = meminfo()
         result.update(path=label, mode=mode, cached_after=after["Cached"] - before["Cached"])
         if mountpoint is not None:
-            status = _status(mountpoint)
+            status = contract.read_status(str(mountpoint))
             result["daemon_peak_rss"] = vm_hwm(status["pid"])
             result["daemon_read_bytes"] = status["read_bytes"]
         self.log(f"  {mode:<5} {label:<36} {result.get('seconds', float('nan')):7.2f} s"
