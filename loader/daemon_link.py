@@ -10,7 +10,7 @@ import threading
 import time
 
 from rankfs import contract
-from rankfs.reader.io import open_for_exact_reads, willneed_reach
+from rankfs.reader.io import OpenFile, willneed_reach
 
 log = logging.getLogger("rankfs.hook")
 
@@ -55,14 +55,13 @@ class DaemonLink:
     def __init__(self):
         self._lock = threading.Lock()
         self._maps: dict[str, tuple] = {}  # sources map file -> its decoded map
-        self._fds: dict[str, int] = {}  # source path -> fd (checked unchanged at open)
+        self._sources: dict[str, OpenFile] = {}  # source path -> the file (checked unchanged at open)
         self.willneed_reach: dict[str, int] = {}  # source path -> bytes one WILLNEED reads
         self._progress: dict[str, ViewProgress] = {}  # view directory path -> its progress
 
-    def placement(self, path: str) -> dict[str, tuple[int, int, str]] | None:
-        """Where a view file's tensors lie in the source shards, opened: {tensor: (fd, offset of its
-        first byte, source path)}. None when the mount does
-        not say, or a source cannot be read here or has changed since it was mounted: the hook then
+    def placement(self, path: str) -> dict[str, tuple[OpenFile, int]] | None:
+        """Where a view file's tensors lie in the source shards, opened: {tensor: (source, offset
+        of its first byte)}. None when the mount does not say, or a source cannot be read here or has changed since it was mounted: the hook then
         reads the view itself (and the daemon serves it)."""
         mountpoint = contract.mount_root(path)
         map_file = contract.sources_path(mountpoint, os.path.relpath(os.path.dirname(path), mountpoint))
@@ -72,28 +71,28 @@ class DaemonLink:
                     with open(map_file, "rb") as f:
                         self._maps[map_file] = contract.decode_sources(f.read())
             sources, files = self._maps[map_file]
-            fds = [self._open(source) for source in sources]
+            opened = [self._open(source) for source in sources]
         except OSError as exc:
             log.info("rankfs hook: %s: reading through the mount: %s", path, exc)
             return None
-        return {name: (fds[i], offset, sources[i].path) for name, (i, offset) in files[os.path.basename(path)].items()}
+        return {name: (opened[i], offset) for name, (i, offset) in files[os.path.basename(path)].items()}
 
-    def _open(self, source: contract.Source) -> int:
+    def _open(self, source: contract.Source) -> OpenFile:
         with self._lock:
-            fd = self._fds.get(source.path)
-            if fd is None:
-                fd = open_for_exact_reads(source.path)
-                if not source.unchanged(os.fstat(fd)):
-                    os.close(fd)
+            opened = self._sources.get(source.path)
+            if opened is None:
+                opened = OpenFile(source.path)
+                if not source.unchanged(os.fstat(opened.fd)):
+                    opened.close()
                     raise OSError(f"{source.path}: changed since it was mounted")
-                self._fds[source.path] = fd
+                self._sources[source.path] = opened
                 self.willneed_reach[source.path] = willneed_reach(source.path)
-            return fd
+            return opened
 
-    def source_fd(self, source_path: str) -> int:
-        """The fd a placement opened for a source."""
+    def source(self, source_path: str) -> OpenFile:
+        """A source a placement opened."""
         with self._lock:
-            return self._fds[source_path]
+            return self._sources[source_path]
 
     def progress(self, path: str) -> ViewProgress:
         """The progress of the view a file belongs to."""
@@ -110,14 +109,17 @@ class DaemonLink:
         for progress in views:
             progress.flush()
 
-    def close(self):
-        """Report the last figures, drop the sources' page cache and close them (after a load)."""
+    def close(self, uncache: set[str]):
+        """Report the last figures, drop what the load added to the sources' page cache (all of
+        those in `uncache`, which it mapped) and close them (after a load)."""
         self.flush_progress()
         with self._lock:
-            for fd in self._fds.values():
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-            self._fds.clear()
+            for path, opened in self._sources.items():
+                if path in uncache:
+                    os.posix_fadvise(opened.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                opened.drop_added()
+                opened.close()
+            self._sources.clear()
             self._maps.clear()
             self._progress.clear()
 

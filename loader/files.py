@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import torch
 
 from rankfs import contract
 from rankfs.loader.guard import SlicedTensor
-from rankfs.loader.slabs import pack
 from rankfs.plan.safetensors import read_header
 from rankfs.plan.spec import Rows, Slice
+from rankfs.reader.io import PAGE, OpenFile
+
+READ_AROUND = 16 << 20  # how far the kernel may read around a mapped read: the largest read_ahead_kb met
 
 TORCH_DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -42,13 +45,13 @@ class RankfsFile:
         meta = header.metadata or {}
         self._slices = {name: Slice(*s) for name, s in json.loads(meta.get(contract.SLICES_KEY, "{}")).items()}
         self._on_demand = set(json.loads(meta.get(contract.ON_DEMAND_KEY, "[]")))
-        self._placement = placement  # {tensor: (fd, offset, source path)}, or None: read the view file
-        self._fd = os.open(path, os.O_RDONLY)
+        self._placement = placement  # {tensor: (source OpenFile, offset)}, or None: read the view file
+        self._view = OpenFile(path, direct=False)
         # Bytes read from the sources bypass the mount: the daemon hears of them from the hook.
         self._progress = hook.link.progress(path) if placement is not None else None
         eager = [n for n in sorted(self._entries) if n not in self._on_demand]
-        self.groups = [[name for name, _ in group]
-                       for group in pack([(n, self.resident_bytes(n)) for n in eager], hook.settings.slab_bytes)]
+        # Two pages more per tensor: a slab places each tensor's bytes at their place within a page.
+        self.groups = pack([(n, self.resident_bytes(n) + 2 * PAGE) for n in eager], hook.settings.slab_bytes)
         self._group_of = {name: g for g, group in enumerate(self.groups) for name in group}
 
     # -- the safe_open interface ----------------------------------------------------------------
@@ -60,11 +63,11 @@ class RankfsFile:
         return self._metadata
 
     def get_slice(self, name):
-        return self._stock_handle(name).get_slice(name)
+        return self._stock_read(name, "get_slice")
 
     def get_tensor(self, name: str) -> torch.Tensor:
         if name in self._on_demand:
-            return self._stock_handle(name).get_tensor(name)
+            return self._stock_read(name, "get_tensor")
         if name not in self._group_of:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         entry = self._entries[name]
@@ -84,9 +87,7 @@ class RankfsFile:
     def close(self):
         if self._progress is not None:
             self._progress.flush()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._view.close()
 
     # -- for the strategies ---------------------------------------------------------------------
 
@@ -110,12 +111,12 @@ class RankfsFile:
         rows = self.rows(name)
         return self._entries[name].nbytes if rows is None else rows.kept_bytes
 
-    def locate(self, name: str) -> tuple[int, int, str]:
-        """(fd, offset of the tensor's first byte, file name for messages): in its source shard
-        when the mount says where, else in the view."""
+    def locate(self, name: str) -> tuple[OpenFile, int]:
+        """(file, offset of the tensor's first byte): in its source shard when the mount says
+        where, else in the view."""
         if self._placement is not None:
             return self._placement[name]
-        return self._fd, self._data_start + self._entries[name].begin, self.path
+        return self._view, self._data_start + self._entries[name].begin
 
     def block(self, name: str) -> int | None:
         """Where the tensor's resident bytes start in their file, when they are one block (whole
@@ -139,10 +140,29 @@ class RankfsFile:
         if self._progress is not None:
             self._progress.add(nbytes)
 
-    def _stock_handle(self, name: str):
-        """The stock reader for what the hook leaves to it (row-store tables): on the tensor's
-        source shard, where it lies under the same name, when the mount says which."""
-        path = self._placement[name][2] if self._placement is not None and name in self._placement else self.path
-        if path not in self._stock:
-            self._stock[path] = self._hook.stock_open(path, framework="pt")
-        return self._stock[path]
+    def _stock_read(self, name: str, method: str):
+        """What the hook leaves to the stock reader (row-store tables): on the tensor's source
+        shard, where it lies under the same name, when the mount says which. The pages it brings
+        into the page cache are dropped after the load."""
+        source = self._placement[name][0] if self._placement is not None and name in self._placement else self._view
+        begin, nbytes = self.span(name)
+        source.reading_through_cache(0, 8, around=READ_AROUND)  # it reads the header too, as this does
+        header_end = 8 + struct.unpack("<Q", os.pread(source.fd, 8, 0))[0]
+        source.reading_through_cache(8, header_end, around=READ_AROUND)
+        source.reading_through_cache(begin, begin + nbytes, around=READ_AROUND)
+        if source.path not in self._stock:
+            self._stock[source.path] = self._hook.stock_open(source.path, framework="pt")
+        return getattr(self._stock[source.path], method)(name)
+
+
+def pack(sizes: list[tuple[str, int]], slab_bytes: int) -> list[list[str]]:
+    """Names in the given order, greedily grouped into at most slab_bytes each (a larger one alone)."""
+    groups: list[list[str]] = []
+    used = 0
+    for name, nbytes in sizes:
+        if not groups or used + nbytes > slab_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += nbytes
+    return groups

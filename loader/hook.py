@@ -13,6 +13,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 
 import torch
 
@@ -48,12 +49,14 @@ class Hook:
         # add a copy (RANKFS_HOOK_MAP; by default when there is no CUDA).
         self.map_sources = settings.map_sources == "on" or settings.map_sources == "auto" and not cuda
         self.budget = Budget(settings.budget_bytes)
-        self.slabs = SlabPool(settings.slab_bytes, self.budget, pin=cuda)
+        self.slabs = SlabPool(settings.slab_bytes, self.budget, pin=cuda, wanted=self._slabs_wanted,
+                              retire=self._retire)
         self.link = DaemonLink()
         self.executor: OrderedExecutor | None = None  # reads into slabs
         self.map_executor: OrderedExecutor | None = None  # reads mapped tensors ahead
         self.paths: set[str] = set()  # rankfs files the current load opened
         self.consuming: set = set()  # staged files open with tensors not yet handed out
+        self.holding: set = set()  # staged files with a slab alive
         self.releases: list[dict] = []
         self._source_maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
@@ -85,6 +88,21 @@ class Hook:
             return MappedFile(path, self, placement)
         return StagedFile(path, self, placement)
 
+    def _slabs_wanted(self) -> bool:
+        executor = self.executor
+        return executor is not None and executor.costly_queued()
+
+    def _retire(self, buffer):
+        """Unpin and unmap a buffer on a read thread with nothing else to do (the loader's copy
+        threads let slabs go, and are what the load waits for at its end)."""
+        executor = self.executor
+        try:
+            if executor is not None:
+                return executor.chore(buffer.close)
+        except RuntimeError:  # shut down meanwhile
+            pass
+        buffer.close()
+
     def wake_readers(self):
         """What the read threads admit may have changed (rankfs.loader.ordered)."""
         executor = self.executor
@@ -101,8 +119,7 @@ class Hook:
         with self._lock:
             source = self._source_maps.get(path)
             if source is None:
-                fd = self.link.source_fd(path)
-                source = self._source_maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                source = self._source_maps[path] = mmap.mmap(self.link.source(path).fd, 0, access=mmap.ACCESS_COPY)
                 # No read-around on the loader's faults: it would read other ranks' rows of sliced
                 # experts. The read-ahead asks for exactly the rest.
                 source.madvise(mmap.MADV_RANDOM)
@@ -113,6 +130,7 @@ class Hook:
         ask the daemons loaded from to drop theirs. After the target load a slab still alive is an
         error, since the engine is about to size its KV pool."""
         phase = phase or "+".join(sorted({contract.phase(v) for v in self.load_views})) or "load"
+        clock = _StepClock()
         before = memory.snapshot()
         with self._lock:
             executors, self.executor, self.map_executor = (self.executor, self.map_executor), None, None
@@ -122,18 +140,23 @@ class Hook:
                 executor.shutdown()
         gc.collect()
         leftovers = self.slabs.alive()
+        clock.step("stop")
         self.slabs.drop_idle()
         memory.malloc_trim()
         memory.return_pinned_and_cached()
+        clock.step("memory")
         for path in paths:
             _drop_page_cache(path)
         with self._lock:
             maps, self._source_maps = self._source_maps, {}
         for source in maps.values():  # its pages leave this process (a tensor still viewing it refaults them)
             source.madvise(mmap.MADV_DONTNEED)
-        self.link.close()  # then the page cache can drop them
+        self.link.close(uncache=set(maps))  # the mapped sources' pages, once unmapped (staged reads add none)
+        clock.step("page_cache")
         drop_daemons(paths)
+        clock.step("daemons")
         after = memory.snapshot(with_nvml=True)
+        clock.step("figures")
         start = self.load_start
         figures = {
             "phase": phase,
@@ -144,6 +167,7 @@ class Hook:
             "slab_requests": self.slabs.stats.requests, "slabs": self.slabs.stats.slabs,
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),
             "torch_host_allocs": memory.host_alloc_count(),
+            "release_seconds": clock.total(), "release_steps": clock.steps,
             # MemAvailable lost since the first load began, less what CUDA's allocator grew by where
             # that is host memory (unified memory).
             "nontorch_since_load_start": (start["memavailable"] - after["memavailable"])
@@ -158,6 +182,22 @@ class Hook:
             if phase == "target":
                 raise LeftoverSlabs(message)
         return figures
+
+
+class _StepClock:
+    """Seconds per step of a release (in the figures: where a slow release spends its time)."""
+
+    def __init__(self):
+        self.steps: dict[str, float] = {}
+        self._began = self._last = time.monotonic()
+
+    def step(self, name: str):
+        now = time.monotonic()
+        self.steps[name] = round(now - self._last, 3)
+        self._last = now
+
+    def total(self) -> float:
+        return round(self._last - self._began, 3)
 
 
 def _drop_page_cache(path: str):

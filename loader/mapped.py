@@ -48,7 +48,7 @@ class MappedFile(RankfsFile):
     def resident(self, name: str, group: int, dtype: torch.dtype) -> torch.Tensor:
         """No wait: a view of the source's map, whose last view's death lets its budget go."""
         offset, nbytes = self.span(name)
-        path = self._placement[name][2]
+        path = self._placement[name][0].path
         if path not in self._maps:  # kept here: the tensors may outlive the hook's release
             self._maps[path] = np.frombuffer(self._hook.source_map(path), np.uint8)
         base = self._maps[path][offset:offset + nbytes]  # an array of its own: its death is the tensor's
@@ -84,7 +84,7 @@ class MappedFile(RankfsFile):
         if not unfreed:
             return
         names = [n for n in self.groups[group] if n not in self._freed]
-        spans = merge_adjacent(((self._placement[n][0], self._placement[n][2]), offset, offset + nbytes)
+        spans = merge_adjacent(((self._placement[n][0].fd, self._placement[n][0].path), offset, offset + nbytes)
                                for n in names for offset, nbytes in [self.span(n)])
         pieces = [(fd, piece, size) for (fd, path), begin, end in spans
                   for piece, size in willneed_pieces(begin, end - begin, self._hook.link.willneed_reach[path])]
@@ -92,7 +92,7 @@ class MappedFile(RankfsFile):
             self._hook.map_executor.submit((self.path, group, i), self._read_piece, *piece)
 
     def _read_piece(self, fd: int, offset: int, length: int):
-        if self._fd < 0:  # closed: the loader took what it wanted
+        if self._view.fd < 0:  # closed: the loader took what it wanted
             return
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
         try:

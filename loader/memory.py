@@ -115,4 +115,4 @@ def format_line(figures: dict) -> str:
         if key in BYTE_FIELDS and isinstance(value, int):
             return f"{key.removesuffix('_bytes')}_gib={value / GIB:.3f}"
         return f"{key}={value}"
-    return "rankfs hook memlog: " + " ".join(show(k, v) for k, v in figures.items())
+    return "rankfs hook memlog: " + " ".join(show(k, v) for k, v in figures.items() if not isinstance(v, dict))

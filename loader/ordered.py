@@ -33,6 +33,7 @@ class _Job:
 class OrderedExecutor:
     def __init__(self, threads: int, name: str, budget: Budget | None = None):
         self._queue: list[_Job] = []  # sorted, lowest key first
+        self._chores: list[Callable[[], None]] = []  # run when no job can
         self._sequence = itertools.count()
         self._ready = threading.Condition()
         self._closed = False
@@ -56,6 +57,19 @@ class OrderedExecutor:
             bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent))
             self._ready.notify()
         return future
+
+    def chore(self, fn: Callable[[], None]):
+        """Run fn() on a thread that has nothing else it may run (work off the loader's path)."""
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the hook's read threads were shut down")
+            self._chores.append(fn)
+            self._ready.notify()
+
+    def costly_queued(self) -> bool:
+        """Whether reads ahead wait in the queue (more slabs will be wanted)."""
+        with self._ready:
+            return any(job.cost and not job.future.cancelled() for job in self._queue)
 
     def wake(self):
         """The budget or a job's urgency has changed: if a job was held back, one thread looks at
@@ -89,7 +103,7 @@ class OrderedExecutor:
             result.result()
 
     def shutdown(self):
-        """Cancel what has not started, wait for what has."""
+        """Cancel what has not started, wait for what has; chores left are run here."""
         with self._ready:
             self._closed = True
             for job in self._queue:
@@ -98,11 +112,15 @@ class OrderedExecutor:
             self._ready.notify_all()
         for thread in self._threads:
             thread.join()
+        chores, self._chores = self._chores, []
+        for fn in chores:
+            fn()
 
     def _admissible(self) -> _Job | None:
-        """The next job to run, its cost reserved: the first costless one, the first costly one if
-        the budget has room for it, or an urgent one (called holding the lock)."""
-        blocked, i = False, 0
+        """The next job to run, its cost reserved: the first costless one, or the first costly one
+        if the budget has room for it or it is urgent (called holding the lock). Costly jobs after
+        the first held back wait too: admission follows the loaders' order."""
+        held_back, i = None, 0
         self._held_back = False
         while i < len(self._queue):
             job = self._queue[i]
@@ -111,10 +129,12 @@ class OrderedExecutor:
                 continue
             i += 1
             if job.cost and self._budget is not None:
-                if not (job.urgent is not None and job.urgent()):
-                    if blocked or not self._budget.fits(job.cost):
-                        blocked = self._held_back = True  # what comes after waits too, unless urgent or costless
-                        continue
+                if held_back is not None:
+                    continue
+                if not self._budget.fits(job.cost) and not (job.urgent is not None and job.urgent()):
+                    held_back = job
+                    self._held_back = True
+                    continue
                 self._budget.reserve(job.cost)
             return self._queue.pop(i - 1)
         return None
@@ -123,13 +143,20 @@ class OrderedExecutor:
         while True:
             with self._ready:
                 job = self._admissible()
-                while job is None and not self._closed:
+                while job is None and not self._closed and not self._chores:
                     self._ready.wait()
                     job = self._admissible()
                 if job is None:
-                    return
-                if self._queue:  # more may be admissible: the next thread looks
-                    self._ready.notify()
+                    if self._closed:
+                        return
+                    chore = self._chores.pop(0)
+                else:
+                    chore = None
+                    if self._queue:  # more may be admissible: the next thread looks
+                        self._ready.notify()
+            if chore is not None:
+                chore()
+                continue
             if not job.future.set_running_or_notify_cancel():
                 if job.cost and self._budget is not None:
                     self._budget.release(job.cost)

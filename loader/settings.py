@@ -6,7 +6,7 @@
                                                    pinned slabs (auto: when there is no CUDA)
     RANKFS_HOOK_SLAB_MB     256                    slab size, MiB (rounded down to a power of two)
     RANKFS_HOOK_INFLIGHT_GB 4                      memory read ahead of the loader, GiB
-    RANKFS_HOOK_THREADS     16                     read threads
+    RANKFS_HOOK_THREADS     8                      read threads
     RANKFS_RANK             (torch.distributed)    this process's rank, for a mount of several
                                                    local ranks
 
@@ -51,7 +51,7 @@ class HookSettings:
     __slots__ = ("mode", "map_sources", "slab_bytes", "budget_bytes", "threads")
 
     def __init__(self, mode: str = "on", map_sources: str = "auto", slab_bytes: int = 256 << 20,
-                 budget_bytes: int = 4 * GIB, threads: int = 16):
+                 budget_bytes: int = 4 * GIB, threads: int = 8):
         self.mode, self.map_sources, self.slab_bytes = mode, map_sources, slab_bytes
         self.budget_bytes, self.threads = budget_bytes, threads
 
@@ -62,7 +62,7 @@ class HookSettings:
                    map_sources=_choice("RANKFS_HOOK_MAP", "auto", MAP_MODES),
                    slab_bytes=(1 << (slab_mb.bit_length() - 1)) << 20,
                    budget_bytes=int(_number("RANKFS_HOOK_INFLIGHT_GB", "4", float, minimum=1 / 1024) * GIB),
-                   threads=_number("RANKFS_HOOK_THREADS", "16"))
+                   threads=_number("RANKFS_HOOK_THREADS", "8"))
 
 
 def rank_override() -> int | None:

@@ -6,8 +6,8 @@ A slab's buffer is an anonymous map in huge pages, page-locked with cudaHostRegi
 threads have filled it (registering an empty map would fault it in on one thread). A slab lives as
 long as some tensor views it: torch holds the memoryview a slab's tensor was made from until the last
 view dies, and that memoryview's finalizer releases the slab's budget and keeps its buffer for the
-next slab while the budget has room. Each tensor starts 4 KiB aligned; a tensor larger than a slab
-gets a buffer of its own.
+next slab (the first use of fresh memory, faulting and page-locking it, costs several times a read
+from the page cache). A tensor larger than a slab gets a buffer of its own.
 """
 
 from __future__ import annotations
@@ -16,33 +16,13 @@ import itertools
 import mmap
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from rankfs.loader.budget import Budget
-
-ALIGN = 4096
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def pack(sizes: list[tuple[str, int]], slab_bytes: int) -> list[list[tuple[str, int]]]:
-    """Greedy packing in the given order: [[(name, offset), ...] per slab]."""
-    slabs, current, used = [], [], 0
-    for name, nbytes in sizes:
-        if current and used + nbytes > slab_bytes:
-            slabs.append(current)
-            current, used = [], 0
-        current.append((name, used))
-        used += _align(nbytes)
-    if current:
-        slabs.append(current)
-    return slabs
-
+from rankfs.reader.io import PAGE
 
 class HostBuffer:
     """An anonymous map in huge pages (a fault per 2 MiB, not per 4 KiB), page-locked for DMA once
@@ -94,10 +74,15 @@ class Slab:
 class SlabStats:
     requests: int = 0  # tensors placed in slabs
     slabs: int = 0
+    file_bytes: dict[str, int] = field(default_factory=dict)  # per file: its slabs' buffers, together
 
 
 class SlabPool:
-    def __init__(self, slab_bytes: int, budget: Budget, pin: bool):
+    def __init__(self, slab_bytes: int, budget: Budget, pin: bool,
+                 wanted: Callable[[], bool] = lambda: True, retire: Callable[[HostBuffer], None] = HostBuffer.close):
+        """wanted(): whether more slabs will be asked for (else a dead slab's buffer goes at once);
+        retire(buffer): unpin and unmap it, off the loader's threads where it can."""
+        self.wanted, self.retire = wanted, retire
         self.slab_bytes = slab_bytes
         self.budget = budget
         self.pin = pin
@@ -112,9 +97,9 @@ class SlabPool:
         the next slab (no new map to fault in and page-lock, nothing to unregister mid-load)."""
         return max(nbytes, self.slab_bytes)
 
-    def allocate(self, nbytes: int, names: list[str], file: str) -> Slab:
+    def allocate(self, nbytes: int, names: list[str], file: str, on_death: Callable[[], None] | None = None) -> Slab:
         """A new slab of nbytes; its footprint is reserved already (by the read threads' admission),
-        and released by its death."""
+        and released by its death (then on_death() runs too)."""
         slab_id = next(self._ids)
         size = self.footprint(nbytes)
         buffer = self._reuse(size) or HostBuffer(size)
@@ -122,7 +107,13 @@ class SlabPool:
             self._live[slab_id] = (file, names, buffer)
             self.stats.slabs += 1
             self.stats.requests += len(names)
-        return Slab(buffer, nbytes, lambda: self._died(slab_id, size, buffer))
+            self.stats.file_bytes[file] = self.stats.file_bytes.get(file, 0) + size
+
+        def died():
+            self._died(slab_id, size, buffer)
+            if on_death is not None:
+                on_death()
+        return Slab(buffer, nbytes, died)
 
     def filled(self, slab: Slab):
         """A slab's reads are done: page-lock it for DMA when the pool pins."""
@@ -130,28 +121,29 @@ class SlabPool:
             slab.buffer.pin()
 
     def _died(self, slab_id: int, nbytes: int, buffer: HostBuffer):
-        """The last tensor viewing a slab is gone (any thread): its buffer is idle, its bytes free."""
+        """The last tensor viewing a slab is gone (any thread, often one of the loader's): its buffer
+        waits for the next slab, unless no more are wanted (the load's last reads are done: unmapping
+        now spares the release) or the buffers would hold more than the budget (after a file larger
+        than it)."""
         with self._lock:
             del self._live[slab_id]
-            self._idle.append(buffer)
+            keep = self.budget.used - nbytes + sum(len(b) for b in self._idle) + len(buffer) <= self.budget.limit
+        keep = keep and self.wanted()
+        if keep:
+            with self._lock:
+                self._idle.append(buffer)
+        else:
+            self.retire(buffer)
         self.budget.release(nbytes)
 
     def _reuse(self, nbytes: int) -> HostBuffer | None:
         """An idle buffer that holds nbytes without wasting more than a quarter of it (a slab's: one
-        of the slab's size); idle buffers that no longer fit beside the budget in use are unmapped."""
-        evicted, found = [], None
+        of the slab's size)."""
         with self._lock:
             for i, buffer in enumerate(self._idle):
-                if nbytes <= len(buffer) <= nbytes + nbytes // 4 + ALIGN:
-                    found = self._idle.pop(i)
-                    break
-            idle_bytes = sum(len(b) for b in self._idle)
-            while self._idle and self.budget.used + idle_bytes > self.budget.limit:
-                evicted.append(self._idle.pop(0))
-                idle_bytes -= len(evicted[-1])
-        for buffer in evicted:
-            buffer.close()
-        return found
+                if nbytes <= len(buffer) <= nbytes + nbytes // 4 + PAGE:
+                    return self._idle.pop(i)
+        return None
 
     def drop_idle(self):
         """Unpin and unmap the buffers kept for reuse (after the load)."""

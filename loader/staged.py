@@ -3,74 +3,114 @@ file's tensors fills one slab, read ahead by the hook's threads in the loaders' 
 has room, every free thread helping with the group the loader needs first; `get_tensor` waits for
 its group and returns a view into the slab.
 
-A group the loader waits for in the file it consumes now (the first open file, in name order, with
-tensors not yet handed out) is read whatever the budget: that file's tensors are what frees the
-budget once the loader has copied them. Other files' groups wait for room, so the pinned memory
-stays within the budget plus what that one file needs beyond it."""
+Bytes adjacent in a source are read together, straight from the disk (O_DIRECT) unless the page
+cache holds them already: a load adds nothing to the page cache, so there is nothing to drop after
+it, and a direct read is one copy by the device instead of two. A slab lays out each run of
+adjacent bytes at its file offset's place within a page, with its first and last pages to itself,
+as direct reads need.
+
+Reads ahead are admitted in the loaders' order while the budget has room. The file the loader
+consumes now goes beyond it only when files before it hold one slab at most (the loader takes a
+file's tensors all at once before it copies any, and files read ahead wait for this one, so nothing
+would free room): the pinned memory stays within the budget plus a slab, plus that file where it is
+larger than the budget."""
 
 from __future__ import annotations
 
 import functools
-import os
+import mmap
 import threading
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from rankfs.loader.files import RankfsFile
-from rankfs.loader.slabs import Slab, pack
-from rankfs.reader.io import merge_adjacent, read_exactly
+from rankfs.loader.slabs import Slab
+from rankfs.reader.io import PAGE, OpenFile, align_up
 
 BOUNCE_BYTES = 8 << 20
-IOV_MAX = 1024
-RUN_BYTES = 16 << 20
+RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small enough to spread over threads
 
 _thread = threading.local()
 
 
-def _bounce(nbytes: int) -> bytearray:
-    """This thread's buffer for whole rows: a fresh one per tensor costs a zero-filled page fault
-    per 4 KiB of it."""
+class Run(NamedTuple):
+    """Bytes adjacent in one file, read together into a slab at `at` (congruent to `offset`
+    modulo PAGE); `first` names its first tensor, for messages."""
+    source: OpenFile
+    offset: int
+    length: int
+    at: int
+    first: str
+
+
+def lay_out(blocks: list[tuple[str, OpenFile, int, int]], rows: list[tuple[str, int]]):
+    """A group's slab: `blocks` (name, file, offset, length) joined into runs of adjacent bytes,
+    each at its offset's place within a page; `rows` (name, kept bytes) each from a page boundary.
+    Returns (runs, {name: slab offset}, slab bytes). At most the tensors' bytes plus two pages
+    each."""
+    runs: list[Run] = []
+    offsets: dict[str, int] = {}
+    pos = 0
+    current: list = []  # [file, offset, end, [(name, offset)]]
+
+    def close_run():
+        nonlocal pos
+        source, begin, end, members = current
+        at = align_up(pos) + begin % PAGE
+        runs.append(Run(source, begin, end - begin, at, members[0][0]))
+        offsets.update((name, at + offset - begin) for name, offset in members)
+        pos = at + end - begin
+    for name, source, offset, length in sorted(blocks, key=lambda b: (b[1].path, b[2])):
+        if current and (current[0] is not source or current[2] != offset or current[2] - current[1] >= RUN_BYTES):
+            close_run()
+            current = []
+        if not current:
+            current = [source, offset, offset, []]
+        current[2] = offset + length
+        current[3].append((name, offset))
+    if current:
+        close_run()
+    for name, nbytes in rows:
+        offsets[name] = align_up(pos)
+        pos = offsets[name] + nbytes
+    return runs, offsets, align_up(pos)
+
+
+def _batches(reads: list) -> list:
+    """Reads (path, offset, bytes, read) in file order, as jobs of RUN_BYTES or more each: a job per
+    small read would cost more in hand-offs between threads than the read (sliced experts' blocks
+    are a few MB)."""
+    jobs, batch, size = [], [], 0
+    for *_, nbytes, read in reads:
+        batch.append(read)
+        size += nbytes
+        if size >= RUN_BYTES:
+            jobs.append(batch)
+            batch, size = [], 0
+    if batch:
+        jobs.append(batch)
+    return [functools.partial(_run_each, batch) for batch in jobs]
+
+
+def _run_each(reads: list):
+    for read in reads:
+        read()
+
+
+def _bounce(nbytes: int) -> memoryview:
+    """This thread's page-aligned buffer for whole rows (a fresh one per tensor would cost a
+    zero-filled page fault per page of it)."""
     buffer = getattr(_thread, "bounce", None)
     if buffer is None or len(buffer) < nbytes:
-        buffer = _thread.bounce = bytearray(nbytes)
-    return buffer
+        buffer = _thread.bounce = mmap.mmap(-1, nbytes)
+    return memoryview(buffer)
 
 
-def _read_fully(fd: int, target: memoryview, offset: int, where: str, name: str):
-    if read_exactly(fd, target, offset, f"{where}: tensor {name!r}") < len(target):
-        raise OSError(f"{where}: tensor {name!r}: short read at offset {offset}; the file was truncated")
-
-
-def _runs(blocks: list):
-    """Blocks (fd, offset, target, where, name), sorted by fd and offset, in runs adjacent in the
-    file: at most IOV_MAX blocks and about RUN_BYTES each, for one preadv."""
-    run: list = []
-    for block in blocks:
-        fd, offset = block[0], block[1]
-        if run and (run[-1][0] != fd or run[-1][1] + len(run[-1][2]) != offset
-                    or len(run) == IOV_MAX or offset - run[0][1] >= RUN_BYTES):
-            yield run
-            run = []
-        run.append(block)
-    if run:
-        yield run
-
-
-def _read_run(run: list):
-    fd, offset = run[0][0], run[0][1]
-    try:
-        done = os.preadv(fd, [block[2] for block in run], offset)
-    except OSError as exc:
-        raise OSError(exc.errno, f"{run[0][3]}: tensor {run[0][4]!r}: read at offset {offset} failed: "
-                                 f"{exc.strerror}") from None
-    for _, begin, target, where, name in run:  # what a short read left, block by block
-        if done >= len(target):
-            done -= len(target)
-            continue
-        _read_fully(fd, target[done:], begin + done, where, name)
-        done = 0
+def _short(where: str, name: str, offset: int) -> OSError:
+    return OSError(f"{where}: tensor {name!r}: short read at offset {offset}; the file was truncated")
 
 
 class StagedFile(RankfsFile):
@@ -78,29 +118,29 @@ class StagedFile(RankfsFile):
         super().__init__(path, hook, placement)
         self._demanded: set[int] = set()  # groups the loader waits for
         self._handed: list[set[str]] = [set() for _ in self.groups]  # per group: tensors handed out
-        self._offsets = [dict(pack([(n, self.resident_bytes(n)) for n in group], 1 << 62)[0]) for group in self.groups]
-        self._sizes = [offsets[group[-1]] + self.resident_bytes(group[-1])
-                       for offsets, group in zip(self._offsets, self.groups)]
-        self._costs = [hook.slabs.footprint(size) for size in self._sizes]
+        self._layouts = [self._lay_out(group) for group in self.groups]
+        self._costs = [hook.slabs.footprint(size) for _, _, size in self._layouts]
+        self.slabs_alive = 0
         self.handing_out = bool(self.groups)  # some tensor not yet handed out: it may be the loader's now
         self._lock = threading.Lock()
-        self._read_spans: list[tuple[int, int, int]] = []  # (offset, length, fd) read, not yet dropped
-        self._groups_read: set[int] = set()
         hook.consuming.add(self)
         self._futures: list[Future | None] = [self._submit(g) for g in range(len(self.groups))]
 
     def resident(self, name: str, group: int, dtype: torch.dtype) -> torch.Tensor:
         if group not in self._demanded:
             self._demanded.add(group)
-            self._hook.wake_readers()  # its read may now go ahead whatever the budget
-        slab, offsets = (self._futures[group] or self._submit(group)).result()
+            self._hook.wake_readers()  # it may be the one that must go beyond the budget
+        slab = (self._futures[group] or self._submit(group)).result()
         self._handed[group].add(name)
         if len(self._handed[group]) == len(self.groups[group]):  # the slab lives exactly as long as its tensors
             self._futures[group] = None
             if all(len(handed) == len(names) for handed, names in zip(self._handed, self.groups)):
                 self._done_handing_out()
         self.count_loaded(self.span(name)[1])
-        data = slab.tensor[offsets[name]:offsets[name] + self.resident_bytes(name)]
+        at = self._layouts[group][1][name]
+        data = slab.tensor[at:at + self.resident_bytes(name)]
+        if at % dtype.itemsize:  # a tensor not aligned to its type in the file (legal, rare)
+            data = data.clone()
         return data.view(dtype).reshape(self.resident_shape(name))
 
     def close(self):
@@ -118,61 +158,80 @@ class StagedFile(RankfsFile):
             self._hook.consuming.discard(self)
             self._hook.wake_readers()  # the next file is now the one the loader consumes
 
+    def _lay_out(self, group: list[str]):
+        blocks, rows = [], []
+        for name in group:
+            begin = self.block(name)
+            if begin is None:
+                rows.append((name, self.resident_bytes(name)))
+            else:
+                blocks.append((name, self.locate(name)[0], begin, self.resident_bytes(name)))
+        return lay_out(blocks, rows)
+
     def _submit(self, group: int) -> Future:
         """Read a group ahead: the loaders take files in sorted order, each file's groups in order."""
         return self._hook.executor.submit((self.path, group), self._load, group, cost=self._costs[group],
-                                          urgent=lambda: group in self._demanded and self._hook.consumed_now() is self)
+                                          urgent=lambda: self._must_exceed_budget(group))
 
-    def _load(self, group: int) -> tuple[Slab, dict[str, int]]:
-        """Runs in a hook thread, its size reserved: fill one slab. Tensors whose bytes are adjacent
-        in the file are read together, in file order, with one scattering preadv each run. Returns
-        the slab and each tensor's offset in it."""
-        names, offsets = self.groups[group], self._offsets[group]
-        slab = self._hook.slabs.allocate(self._sizes[group], names, self.path)
-        blocks = []  # (fd, file offset, slab target, file name, tensor): contiguous pieces to read
-        reads = []  # (fd, file offset, read): what fills the slab, each read by one thread
-        for name in names:
-            fd, _, where = self.locate(name)
-            target = slab.target(offsets[name], self.resident_bytes(name))
-            begin = self.block(name)
-            if begin is None:
-                reads.append((fd, self.locate(name)[1], functools.partial(self._read_rows, name, target)))
-            else:
-                blocks.append((fd, begin, target, where, name))
-        blocks.sort(key=lambda b: (b[0], b[1]))
-        reads.extend((run[0][0], run[0][1], functools.partial(_read_run, run)) for run in _runs(blocks))
-        # Every free read thread helps: the group the loader needs first is filled first.
-        self._hook.executor.run_all((self.path, group), [read for _, _, read in sorted(reads, key=lambda r: r[:2])])
-        self._hook.slabs.filled(slab)
-        self._read_done(group, [self.span(name) + (self.locate(name)[0],) for name in names])
-        return slab, offsets
+    def _must_exceed_budget(self, group: int) -> bool:
+        """The loader waits for this group of the file it consumes now, and files before it hold one
+        slab at most: nothing else will free room (files after it, read ahead, wait for this one;
+        the loader's loop keeps the last tensor it took, and its slab, until it gets the next)."""
+        return (group in self._demanded and self._hook.consumed_now() is self
+                and sum(f.slabs_alive for f in list(self._hook.holding) if f.path < self.path) <= 1)
 
-    def _read_done(self, group: int, spans: list[tuple[int, int, int]]):
-        """A group's (offset, length, fd) spans are read. Once the file's last group is, its pages
-        leave the page cache (they are not needed twice: keep them out of MemAvailable's way), in
-        one call per run of adjacent spans: dropping ranges as each group was read, beside reads of
-        their neighbours, cost each call a drain of every CPU's page lists. Only what was read:
-        between the spans lie other ranks' tensors, which a rank beside this one may be reading."""
+    def _load(self, group: int) -> Slab:
+        """Runs in a hook thread, its cost reserved: fill one slab, every free read thread helping."""
         with self._lock:
-            self._read_spans.extend(spans)
-            self._groups_read.add(group)
-            if len(self._groups_read) < len(self.groups):
-                return
-            spans, self._read_spans = self._read_spans, []
-        for fd, begin, end in merge_adjacent((fd, offset, offset + length) for offset, length, fd in spans):
-            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
+            self.slabs_alive += 1
+            self._hook.holding.add(self)
+        runs, offsets, size = self._layouts[group]
+        slab = self._hook.slabs.allocate(size, self.groups[group], self.path, on_death=self._slab_died(group))
+        buffer = memoryview(slab.tensor.numpy())
+        reads = [(run.source.path, run.offset, run.length, functools.partial(self._read_run, run, buffer))
+                 for run in runs]
+        reads += [(*self._where(name), self.span(name)[1], functools.partial(self._read_rows, name, buffer))
+                  for name in self.groups[group] if self.block(name) is None]
+        self._hook.executor.run_all((self.path, group), _batches(sorted(reads, key=lambda r: r[:2])))
+        self._hook.slabs.filled(slab)
+        return slab
 
-    def _read_rows(self, name: str, target: memoryview):
+    def _where(self, name: str) -> tuple[str, int]:
+        source, offset = self.locate(name)
+        return source.path, offset
+
+    def _slab_died(self, group: int):
+        def died():
+            with self._lock:
+                self.slabs_alive -= 1
+                if not self.slabs_alive:
+                    self._hook.holding.discard(self)
+        return died
+
+    @staticmethod
+    def _read_run(run: Run, buffer: memoryview):
+        where = f"{run.source.path}: tensor {run.first!r}"
+        done = run.source.read_into(buffer, run.at, run.offset, run.length, where)
+        if done < run.length:
+            raise _short(run.source.path, run.first, run.offset + done)
+
+    def _read_rows(self, name: str, buffer: memoryview):
         """A slice spread over rows: whole rows through a bounded buffer, the rank's columns copied
         out (every page of the rows holds kept bytes)."""
-        fd, begin, where = self.locate(name)
+        source, begin = self.locate(name)
         rows = self.rows(name)
+        group = self._group_of[name]
+        at = self._layouts[group][1][name]
         per_read = min(rows.count, max(1, BOUNCE_BYTES // rows.row_bytes))
-        out = np.frombuffer(target, np.uint8).reshape(rows.count, rows.keep_stop - rows.keep_start)
-        bounce = _bounce(per_read * rows.row_bytes)
+        out = np.frombuffer(buffer[at:at + self.resident_bytes(name)], np.uint8).reshape(
+            rows.count, rows.keep_stop - rows.keep_start)
+        bounce = _bounce(align_up(per_read * rows.row_bytes) + 2 * PAGE)
         for first in range(0, rows.count, per_read):
             count = min(per_read, rows.count - first)
-            chunk = memoryview(bounce)[:count * rows.row_bytes]
-            _read_fully(fd, chunk, begin + first * rows.row_bytes, where, name)
-            out[first:first + count] = np.frombuffer(chunk, np.uint8).reshape(count, rows.row_bytes)[
-                :, rows.keep_start:rows.keep_stop]
+            offset = begin + first * rows.row_bytes
+            skip = offset % PAGE
+            if source.read_into(bounce, skip, offset, count * rows.row_bytes, f"{source.path}: tensor {name!r}") \
+                    < count * rows.row_bytes:
+                raise _short(source.path, name, offset)
+            out[first:first + count] = np.frombuffer(bounce[skip:skip + count * rows.row_bytes], np.uint8).reshape(
+                count, rows.row_bytes)[:, rows.keep_start:rows.keep_stop]

@@ -5,8 +5,11 @@ Standard library only."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import re
+import threading
 from pathlib import Path
 
 PAGE = mmap.PAGESIZE
@@ -15,6 +18,20 @@ DEFAULT_WILLNEED_REACH = 128 << 10  # the smallest readahead one meets (DGX Spar
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_RESIDENT_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte, the rest reserved
+_mincore_holding_gil = ctypes.PyDLL(None).mincore  # for one page: cheaper than letting the GIL go
+_mincore_holding_gil.argtypes = _libc.mincore.argtypes
+RESIDENCY_STRIDE = 256 << 10  # the kernel reads ahead in pieces at least this large
+
+
+def _os_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def madvise(address: int, length: int, advice: int):
@@ -23,6 +40,14 @@ def madvise(address: int, length: int, advice: int):
     if _libc.madvise(address, length, advice) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def align_down(n: int) -> int:
+    return n // PAGE * PAGE
+
+
+def align_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
 
 
 def inner_pages(begin: int, end: int) -> tuple[int, int]:
@@ -40,6 +65,113 @@ def open_for_exact_reads(path, flags: int = os.O_RDONLY) -> int:
     fd = os.open(path, flags)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd
+
+
+class OpenFile:
+    """A file opened for exact reads of large ranges: buffered without readahead, and, where the
+    filesystem allows, direct (O_DIRECT) for ranges the page cache does not hold, so that a read
+    neither adds pages to the cache nor pays for a copy out of it. Where something reads it through
+    the page cache all the same, `drop_added` drops afterwards the pages that were not cached before.
+
+    Direct reads fill whole pages: the bytes wanted must sit in the buffer at an offset congruent to
+    their file offset modulo PAGE, with the rest of their first and last pages free to be
+    overwritten (`read_into`)."""
+
+    def __init__(self, path: str, direct: bool = True):
+        self.path = path
+        self.fd = open_for_exact_reads(path)
+        self.direct_fd: int | None = None
+        self._cached_before: list[tuple[int, bytes]] = []  # (offset, per page: cached) before reads through it
+        self._lock = threading.Lock()
+        self._size = os.fstat(self.fd).st_size
+        self._map: int | None = None  # a map of the file, only for mincore (it reads nothing)
+        if self._size:
+            address = _libc.mmap(None, self._size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)
+            self._map = None if address in (None, _MAP_FAILED) else address
+        if direct and self._size:
+            try:
+                self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: a filesystem without direct I/O (tmpfs, FUSE)
+                    raise
+
+    def cached(self, begin: int, end: int) -> bool:
+        """Whether [begin, end) is in the page cache, judged by one page in every RESIDENCY_STRIDE
+        and the last (asking for every page costs about as much as copying it): a hole between
+        two samples is read through the cache (and stays there)."""
+        end = min(end, self._size)
+        if end <= begin or self._map is None:
+            return False
+        vector = ctypes.create_string_buffer(1)
+        for page in [*range(align_down(begin), end, RESIDENCY_STRIDE), align_down(end - 1)]:
+            if _mincore_holding_gil(self._map + page, PAGE, vector) != 0:
+                raise _os_error(f"{self.path}: mincore")
+            if not vector.raw[0] & 1:
+                return False
+        return True
+
+    def _residency(self, begin: int, end: int) -> bytes:
+        """Per page of [begin, end) (whole pages): 1 if it is in the page cache."""
+        pages = (end - begin) // PAGE
+        vector = ctypes.create_string_buffer(pages)
+        if _libc.mincore(self._map + begin, pages * PAGE, vector) != 0:
+            raise _os_error(f"{self.path}: mincore")
+        return vector.raw.translate(_RESIDENT_BIT)
+
+    def reading_through_cache(self, begin: int, end: int, around: int = 0):
+        """Called before a read of [begin, end) through the page cache (ours, or a reader's we
+        hand the file to, whose readahead may take `around` bytes more on each side): what the
+        cache holds there now, so that `drop_added` drops only what comes after."""
+        if self._map is None:
+            return
+        begin, end = align_down(max(0, begin - around)), min(align_up(end + around), align_up(self._size))
+        if end > begin:
+            with self._lock:
+                self._cached_before.append((begin, self._residency(begin, end)))
+
+    def read_into(self, buffer: memoryview, at: int, offset: int, length: int, what: str) -> int:
+        """Bytes [offset, offset + length) of the file into buffer[at:at + length]; returns how
+        many, fewer only at the end of the file. Direct unless the page cache holds them all; a
+        direct read fills buffer[align_down(at):align_up(at + length)], so `at` must be congruent to
+        `offset` modulo PAGE and the buffer start on a page."""
+        cached = self.cached(offset, offset + length)
+        if cached or self.direct_fd is None:
+            if not cached:  # pages this read may add to the cache
+                self.reading_through_cache(offset, offset + length)
+            return read_exactly(self.fd, buffer[at:at + length], offset, what)
+        skip = offset - align_down(offset)
+        window = buffer[at - skip:align_up(at + length)]
+        done = 0
+        while done < len(window):
+            try:
+                n = os.preadv(self.direct_fd, [window[done:]], offset - skip + done)
+            except OSError as exc:
+                raise OSError(exc.errno, f"{what}: read at offset {offset - skip + done} failed: "
+                                         f"{exc.strerror}") from None
+            done += n
+            if n == 0 or n % PAGE:  # the end of the file
+                break
+        return max(0, min(done - skip, length))
+
+    def drop_added(self):
+        """Drop the pages that came into the page cache where reads through it were announced."""
+        with self._lock:
+            windows, self._cached_before = self._cached_before, []
+        for begin, before in windows:
+            now = self._residency(begin, begin + len(before) * PAGE)
+            added = (int.from_bytes(now, "little") & ~int.from_bytes(before, "little")).to_bytes(len(now), "little")
+            for run in re.finditer(rb"[^\x00]+", added):
+                os.posix_fadvise(self.fd, begin + run.start() * PAGE, (run.end() - run.start()) * PAGE,
+                                 os.POSIX_FADV_DONTNEED)
+
+    def close(self):
+        if self._map is not None:
+            _libc.munmap(self._map, self._size)
+            self._map = None
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd, self.direct_fd = -1, None
 
 
 def read_exactly(fd: int, target: memoryview, offset: int, what: str) -> int:

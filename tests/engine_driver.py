@@ -5,8 +5,9 @@ tests/test_engines.py, under `rankfs run` or not.
     python3 tests/engine_driver.py sglang|vllm JOBS_JSON
 
 JOBS_JSON: [{"directory", "phase": "target"|"draft", "layout": MoELayout fields, "counts": {expert
-group: experts}}, ...], loaded in order in this one process. Prints one JSON line per load: the parameters' digests, the
-releases the hook had made when the load returned, and the process's threads.
+group: experts}, "device": "cpu" (default) or "cuda"}, ...], loaded in order in this one process.
+Prints one JSON line per load: the parameters' digests, the releases the hook had made when the load
+returned (with their figures), and the process's threads.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ class TinyMoE(torch.nn.Module):
     """Stands in for the engine's model class: it consumes the weights iterator and copies each
     tensor it owns, narrowed as FusedMoE narrows, into a parameter of its own."""
 
-    def __init__(self, phase: str, layout: MoELayout, counts: dict):
+    def __init__(self, phase: str, layout: MoELayout, counts: dict, device: str = "cpu"):
         super().__init__()
-        self.phase, self.layout, self.counts = phase, layout, counts
+        self.phase, self.layout, self.counts, self.device = phase, layout, counts, device
         self.weights: dict[str, torch.Tensor] = {}
 
     def load_weights(self, weights):
@@ -41,7 +42,7 @@ class TinyMoE(torch.nn.Module):
                 continue  # the target skips the draft's tensors; the draft takes only those
             source = narrowed(name, tensor, PROFILE, self.layout, self.counts)
             if source is not None:
-                self.weights.setdefault(name, torch.empty(source.shape, dtype=source.dtype)).copy_(source)
+                self.weights.setdefault(name, torch.empty(source.shape, dtype=source.dtype, device=self.device)).copy_(source)
         return None
 
 
@@ -67,15 +68,15 @@ def sglang():
     from sglang.srt.server_args import ServerArgs
     published = []
 
-    def load(directory: str, model, is_draft: bool):
-        server_args = ServerArgs(model_path=directory, device="cpu", skip_tokenizer_init=True)
+    def load(directory: str, model, is_draft: bool, device: torch.device):
+        server_args = ServerArgs(model_path=directory, device=device.type, skip_tokenizer_init=True)
         if not published:
             runtime_context.publish(server_args, role="scheduler")
             published.append(True)
         model_config = ModelConfig.from_server_args(server_args, model_path=directory, is_draft_model=is_draft)
         loader = DefaultModelLoader(LoadConfig())
         # As DefaultModelLoader.load_model does: the weights are a generator, opened inside the call.
-        loader.load_weights_and_postprocess(model, loader._get_all_weights(model_config, model), torch.device("cpu"))
+        loader.load_weights_and_postprocess(model, loader._get_all_weights(model_config, model), device)
     return load
 
 
@@ -86,7 +87,7 @@ def vllm(directories: list[str]):
     # vLLM builds every model config (target and draft) before it loads any.
     configs = {d: ModelConfig(model=d, tokenizer=d, skip_tokenizer_init=True) for d in directories}
 
-    def load(directory: str, model, is_draft: bool):
+    def load(directory: str, model, is_draft: bool, device: torch.device):
         load_config = LoadConfig()
         with set_current_vllm_config(VllmConfig(model_config=configs[directory], load_config=load_config)):
             DefaultModelLoader(load_config).load_weights(model, configs[directory])
@@ -94,20 +95,24 @@ def vllm(directories: list[str]):
 
 
 def digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def main(engine: str, jobs: list[dict]):
     load = sglang() if engine == "sglang" else vllm(sorted({job["directory"] for job in jobs}))
     for job in jobs:
-        model = TinyMoE(job["phase"], MoELayout(**job["layout"]), job["counts"])
-        load(job["directory"], model, job["phase"] == "draft")
+        device = job.get("device", "cpu")
+        model = TinyMoE(job["phase"], MoELayout(**job["layout"]), job["counts"], device)
+        load(job["directory"], model, job["phase"] == "draft", torch.device(device))
         import rankfs.loader
         hook = rankfs.loader.current()
         print(json.dumps({"directory": job["directory"], "phase": job["phase"],
                           "digests": {n: digest(t) for n, t in sorted(model.weights.items())},
                           "releases": [r["phase"] for r in hook.releases] if hook else [],
                           "slabs_alive": [r["slabs_alive"] for r in hook.releases] if hook else [],
+                          "release_figures": [{k: r[k] for k in ("pinned", "pinned_bytes", "peak_slab_bytes", "slabs",
+                                                                 "cuda_reserved", "nvml_process")}
+                                              for r in hook.releases] if hook else [],
                           "threads": threading.active_count()}), flush=True)
 
 

@@ -76,3 +76,18 @@ def test_reads_ahead_are_admitted_in_order_as_the_budget_has_room_or_when_urgent
     held.result(timeout=10)
     assert budget.used == 3
     pool.shutdown()
+
+
+def test_chores_run_when_a_thread_has_nothing_else_and_by_shutdown():
+    pool = OrderedExecutor(1, "test")
+    gate, ran, chore_ran = threading.Event(), [], threading.Event()
+    pool.submit(("a", 0), gate.wait)
+    pool.chore(lambda: (ran.append("chore"), chore_ran.set()))
+    job = pool.submit(("a", 1), ran.append, "job")
+    gate.set()
+    job.result(timeout=10)
+    assert chore_ran.wait(10) and ran == ["job", "chore"]  # queued work first
+    pool.submit(("a", 2), gate.wait)
+    pool.chore(lambda: ran.append("last"))
+    pool.shutdown()
+    assert ran[-1] == "last"

@@ -1,6 +1,6 @@
 """The hook's slabs: a slab's budget is released the moment its last tensor dies, its buffer serves
-the next slab while the budget has room, what does not fit is unmapped, nothing is kept after the
-load."""
+the next slab (never unmapped mid-load while the buffers fit the budget), one that would not fit is
+unmapped, nothing is kept after the load."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rankfs.loader.slabs import SlabPool
 MIB = 1 << 20
 
 
-def test_dead_slabs_are_released_reused_then_evicted_then_dropped():
+def test_dead_slabs_are_released_reused_and_unmapped_beyond_the_budget():
     budget = Budget(3 * MIB)
     pool = SlabPool(MIB, budget, pin=False)
 
@@ -29,11 +29,14 @@ def test_dead_slabs_are_released_reused_then_evicted_then_dropped():
 
     again = allocate(MIB, "t3", "b.safetensors")
     assert any(again.buffer is buffer for buffer in buffers) and len(pool._idle) == 2  # reused, not mapped anew
-    idle = list(pool._idle)
-    larger = allocate(2 * MIB, "t4", "b.safetensors")  # none fits: a new one
-    assert pool._idle == [] and all(buffer.map.closed for buffer in idle)  # 3 MiB in use: no room for idle
+    larger = allocate(2 * MIB, "t4", "b.safetensors")  # none fits: a new one, the idle ones kept
+    assert len(pool._idle) == 2 and larger.buffer not in buffers
+    larger_buffer = larger.buffer
+    del larger  # its buffer beside the idle ones and the one in use would exceed the budget: unmapped
+    assert larger_buffer.map.closed and len(pool._idle) == 2 and budget.used == MIB
+    del again  # this one fits: kept for the next slab
+    assert len(pool._idle) == 3 and budget.used == 0
 
-    del again, larger
     gc.collect()
     pool.drop_idle()
     assert pool._idle == [] and budget.used == 0 and pool.pinned_bytes() == 0

@@ -86,8 +86,10 @@ def run_load(args: dict) -> dict:
     if args.get("hook"):
         import rankfs.loader
         figures = rankfs.loader.release("target")
+        result["release_seconds"] = figures["release_seconds"]  # the engine waits for it too
         result["release"] = {k: figures[k] for k in ("slabs", "slab_requests", "peak_slab_bytes", "slabs_alive",
-                                                     "pinned", "pinned_bytes", "nontorch_since_load_start")}
+                                                     "pinned", "pinned_bytes", "nontorch_since_load_start",
+                                                     "release_steps")}
     return result
 
 

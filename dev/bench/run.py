@@ -211,7 +211,7 @@ class Bench:
 def table(result: dict) -> str:
     lines = [f"\n{result['case']}: {result['spec']}",
              f"{'mode':<5} {'path':<44} {'s':>6} {'GB/s':>6} {'x limit':>7} {'TTFB s':>6} {'steady':>6} "
-             f"{'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'cache left':>10}"]
+             f"{'release s':>9} {'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'cache left':>10}"]
     mib = lambda n: f"{n / 2**20:6.0f} MiB" if n else f"{'-':>10}"  # noqa: E731
     for r in result["rows"]:
         if "error" in r:
@@ -220,7 +220,8 @@ def table(result: dict) -> str:
         pinned = (r.get("release") or {}).get("peak_slab_bytes")
         lines.append(f"{r['mode']:<5} {r['path']:<44} {r['seconds']:6.2f} {r['gb_per_s']:6.2f} "
                      f"{r.get('ratio_to_limit', float('nan')):7.2f} {r['ttfb'] or float('nan'):6.2f} "
-                     f"{r['steady_gb_per_s'] or float('nan'):6.2f} {mib(r['peak_rss']):>10} "
+                     f"{r['steady_gb_per_s'] or float('nan'):6.2f} {r.get('release_seconds', float('nan')):9.2f} "
+                     f"{mib(r['peak_rss']):>10} "
                      f"{mib(r.get('daemon_peak_rss')):>10} {mib(pinned):>11} {mib(max(0, r['cached_after'])):>10}")
     return "\n".join(lines)
 

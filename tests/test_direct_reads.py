@@ -1,0 +1,87 @@
+"""The hook's reads into slabs: bytes adjacent in a source are read together, each run placed in
+the slab at its offset's place within a page; ranges the page cache holds are copied from it, the
+rest read straight from the disk (O_DIRECT), which leaves nothing in the page cache."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from rankfs.loader.staged import lay_out
+from rankfs.reader.io import PAGE, OpenFile, align_down, align_up
+
+SIZE = 8 << 20
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "source.bin"
+    data = np.random.default_rng(7).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean and out of the page cache
+    os.close(fd)
+    opened = OpenFile(str(path))
+    yield opened, data
+    opened.close()
+
+
+def test_runs_keep_their_place_within_a_page_and_do_not_overlap(source):
+    opened, _ = source
+    blocks = [("a", opened, 100, 5000), ("b", opened, 5100, 3), ("c", opened, 9000, 70000),  # a+b adjacent
+              ("d", opened, 1 << 20, 1 << 20)]
+    runs, offsets, size = lay_out(blocks, [("rows", 12345)])
+    assert [(r.offset, r.length, r.first) for r in runs] == [(100, 5003, "a"), (9000, 70000, "c"), (1 << 20, 1 << 20, "d")]
+    windows = [(align_down(r.at), align_up(r.at + r.length)) for r in runs] + [(offsets["rows"], offsets["rows"] + 12345)]
+    assert all(r.at % PAGE == r.offset % PAGE for r in runs)
+    assert all(end <= begin for (_, end), (begin, _) in zip(windows, windows[1:])) and windows[-1][1] <= size
+    assert offsets["b"] == offsets["a"] + 5000 and offsets["rows"] % PAGE == 0
+    assert size <= sum(n for *_, n in blocks) + 12345 + 2 * PAGE * 5
+
+
+def cached_pages(opened: OpenFile) -> int:
+    return sum(opened.cached(page, page + PAGE) for page in range(0, SIZE, PAGE))
+
+
+def test_uncached_bytes_are_read_direct_and_leave_no_page_cache(source):
+    opened, data = source
+    if opened.direct_fd is None:
+        pytest.skip("this filesystem has no direct I/O")
+    buffer = memoryview(mmap.mmap(-1, 2 << 20))
+    offset, length = 12345, (1 << 20) + 777
+    at = PAGE + offset % PAGE
+    assert opened.read_into(buffer, at, offset, length, "source") == length
+    assert bytes(buffer[at:at + length]) == data[offset:offset + length]
+    assert cached_pages(opened) == 0
+
+
+def test_cached_bytes_are_copied_from_the_page_cache(source):
+    opened, data = source
+    os.pread(opened.fd, 64 << 10, 4 * PAGE)  # these pages are now cached
+    assert opened.cached(4 * PAGE, 4 * PAGE + (64 << 10))
+    buffer = memoryview(mmap.mmap(-1, 1 << 20))
+    assert opened.read_into(buffer, 7, 4 * PAGE + 7, 5000, "source") == 5000
+    assert bytes(buffer[7:5007]) == data[4 * PAGE + 7:4 * PAGE + 5007]
+
+
+def test_without_direct_reads_only_what_was_added_to_the_cache_is_dropped(source):
+    opened, data = source
+    buffered = OpenFile(opened.path, direct=False)
+    os.pread(opened.fd, PAGE, 100 * PAGE)  # cached before: not ours to drop
+    buffer = memoryview(mmap.mmap(-1, 1 << 20))
+    assert buffered.read_into(buffer, 0, 0, 3 * PAGE, "source") == 3 * PAGE
+    assert bytes(buffer[:3 * PAGE]) == data[:3 * PAGE] and cached_pages(opened) == 4
+    buffered.drop_added()
+    assert cached_pages(opened) == 1 and opened.cached(100 * PAGE, 101 * PAGE)
+    buffered.close()
+
+
+def test_a_read_past_the_end_of_the_file_is_short(source):
+    opened, _ = source
+    buffer = memoryview(mmap.mmap(-1, 1 << 20))
+    offset = SIZE - 1000
+    assert opened.read_into(buffer, offset % PAGE, offset, 5000, "source") == 1000
