@@ -81,6 +81,7 @@ class OpenFile:
         self.path = path
         self.fd = open_for_exact_reads(path)
         self.direct_fd: int | None = None
+        self._retired_fd: int | None = None  # a direct fd given up on (closed with the file)
         self._cached_before: list[tuple[int, bytes]] = []  # (offset, per page: cached) before reads through it
         self._lock = threading.Lock()
         self._size = os.fstat(self.fd).st_size
@@ -134,8 +135,9 @@ class OpenFile:
         many, fewer only at the end of the file. Direct unless the page cache holds them all; a
         direct read fills buffer[align_down(at):align_up(at + length)], so `at` must be congruent to
         `offset` modulo PAGE and the buffer start on a page."""
+        direct_fd = self.direct_fd
         cached = self.cached(offset, offset + length)
-        if cached or self.direct_fd is None:
+        if cached or direct_fd is None:
             if not cached:  # pages this read may add to the cache
                 self.reading_through_cache(offset, offset + length)
             return read_exactly(self.fd, buffer[at:at + length], offset, what)
@@ -144,14 +146,25 @@ class OpenFile:
         done = 0
         while done < len(window):
             try:
-                n = os.preadv(self.direct_fd, [window[done:]], offset - skip + done)
+                n = os.preadv(direct_fd, [window[done:]], offset - skip + done)
             except OSError as exc:
+                if exc.errno == errno.EINVAL and not done:  # a device whose blocks are larger than a page
+                    self._stop_direct(direct_fd)
+                    return self.read_into(buffer, at, offset, length, what)
                 raise OSError(exc.errno, f"{what}: read at offset {offset - skip + done} failed: "
                                          f"{exc.strerror}") from None
             done += n
             if n == 0 or n % PAGE:  # the end of the file
                 break
         return max(0, min(done - skip, length))
+
+    def _stop_direct(self, direct_fd: int):
+        """Read buffered from now on. The fd stays open until `close`: another thread may be
+        reading through it, and a closed fd's number can name another file."""
+        with self._lock:
+            if self.direct_fd == direct_fd:
+                self.direct_fd = None
+                self._retired_fd = direct_fd
 
     def drop_added(self):
         """Drop the pages that came into the page cache where reads through it were announced."""
@@ -168,10 +181,10 @@ class OpenFile:
         if self._map is not None:
             _libc.munmap(self._map, self._size)
             self._map = None
-        for fd in (self.fd, self.direct_fd):
+        for fd in (self.fd, self.direct_fd, self._retired_fd):
             if fd is not None and fd >= 0:
                 os.close(fd)
-        self.fd, self.direct_fd = -1, None
+        self.fd, self.direct_fd, self._retired_fd = -1, None, None
 
 
 def read_exactly(fd: int, target: memoryview, offset: int, what: str) -> int:
