@@ -182,11 +182,11 @@ class StagedFile(RankfsFile):
 
     def _load(self, group: int) -> Slab:
         """Runs in a hook thread, its cost reserved: fill one slab, every free read thread helping."""
+        runs, _, size = self._layouts[group]
+        slab = self._hook.slabs.allocate(size, self.groups[group], self.path, on_death=self._slab_died)
         with self._lock:
             self.slabs_alive += 1
             self._hook.holding.add(self)
-        runs, offsets, size = self._layouts[group]
-        slab = self._hook.slabs.allocate(size, self.groups[group], self.path, on_death=self._slab_died(group))
         buffer = memoryview(slab.tensor.numpy())
         reads = [(run.source.path, run.offset, run.length, functools.partial(self._read_run, run, buffer))
                  for run in runs]
@@ -200,13 +200,11 @@ class StagedFile(RankfsFile):
         source, offset = self.locate(name)
         return source.path, offset
 
-    def _slab_died(self, group: int):
-        def died():
-            with self._lock:
-                self.slabs_alive -= 1
-                if not self.slabs_alive:
-                    self._hook.holding.discard(self)
-        return died
+    def _slab_died(self):
+        with self._lock:
+            self.slabs_alive -= 1
+            if not self.slabs_alive:
+                self._hook.holding.discard(self)
 
     @staticmethod
     def _read_run(run: Run, buffer: memoryview):
