@@ -3,7 +3,7 @@ the hook) against the stock engine path, the peers, the engine's own ceiling and
 storage, on the same data.
 
     python3 -m dev bench [--size-gb 8] [--cases ep2,ep1-sliced] [--modes cold,warm] [--device cpu|cuda]
-                         [--peers instanttensor,fastsafetensors,runai] [--out DIR]
+                         [--peers instanttensor,fastsafetensors,runai] [--out DIR] [--profile]
 
 Modes: `cold` drops the page cache before each path (needs root); `warm` reads the sources into it
 first (the stand-in for storage faster than the disk); `tmpfs` copies the checkpoint into /dev/shm.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dev.bench import profile
 from dev.fixtures import deepseek_v4
 from dev.memstate import vm_hwm
 from dev.session import ROOT, mounted
@@ -76,15 +78,18 @@ def warm(files):
 PATH_TIMEOUT = 300  # seconds one path may take
 
 
-def run_path(kind: str, args: dict) -> dict:
+def run_path(kind: str, args: dict, record: Path | None = None) -> dict:
+    """Run one path in a process of its own; with `record`, under py-spy (rankfs' dev.bench.profile)."""
+    prefix = (profile.command(record) or []) if record is not None else []
     try:
-        result = subprocess.run([sys.executable, "-m", "dev.bench.paths", kind], input=json.dumps(args), cwd=ROOT,
-                                capture_output=True, text=True, timeout=PATH_TIMEOUT)
+        result = subprocess.run([*prefix, sys.executable, "-m", "dev.bench.paths", kind], input=json.dumps(args),
+                                cwd=ROOT, capture_output=True, text=True, timeout=PATH_TIMEOUT)
     except subprocess.TimeoutExpired:
         return {"error": f"took over {PATH_TIMEOUT} s"}
-    if result.returncode != 0:
+    rows = [line for line in result.stdout.splitlines() if line.startswith("{")]  # py-spy talks too
+    if result.returncode != 0 or not rows:
         return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1][:300]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(rows[-1])
 
 
 def rank_ranges(layout) -> list[tuple[str, int, int]]:
@@ -110,9 +115,10 @@ def shape(result: dict, planned: int):
 
 class Bench:
     def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
-                 journal: Path):
+                 journal: Path, profiles: Path | None = None):
         self.checkpoint, self.workdir, self.device, self.peers, self.log = checkpoint, workdir, device, peers, log
-        self.paths, self.journal = paths, journal
+        self.paths, self.journal, self.profiles = paths, journal, profiles
+        self.case_name = ""
 
     def measure(self, label: str, kind: str, args: dict, mode: str, files: list[str],
                 mountpoint: Path | None = None) -> dict:
@@ -120,9 +126,15 @@ class Bench:
             drop_caches()
         else:
             warm(files)
+        record = None
+        if self.profiles is not None and kind == "load":
+            slug = re.sub(r"[^a-z0-9]+", "-", f"{self.case_name} {mode} {label}".lower()).strip("-")
+            record = self.profiles / f"{slug}.txt"
         before = meminfo()
-        result = run_path(kind, args)
+        result = run_path(kind, args, record)
         after = meminfo()
+        if record is not None and record.exists():
+            record.with_suffix(".summary.txt").write_text(profile.summarize(record) + "\n")
         result.update(path=label, mode=mode, cached_after=after["Cached"] - before["Cached"])
         if mountpoint is not None:
             status = contract.read_status(str(mountpoint))
@@ -146,6 +158,7 @@ class Bench:
 
     def case(self, name: str, modes: list[str]) -> dict:
         tp_size, tp_rank, ep_size = CASES[name]
+        self.case_name = name
         spec = RankSpec(tp_size, tp_rank, ep_size)
         layout = plan_rank(Checkpoint.open(self.checkpoint), spec)
         target = layout.view("target")
@@ -256,6 +269,8 @@ def main(argv=None) -> int:
     p.add_argument("--peers", default=",".join(PEERS), help="peers to run (default: all; '' for none)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"rows to run (default: all of {', '.join(PATHS)})")
     p.add_argument("--out", default="bench-results", help="results.json and timeline.png go here")
+    p.add_argument("--profile", action="store_true",
+                   help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread group")
     args = p.parse_args(argv)
     size = args.size_gb or (24.0 if args.device != "cpu" else 8.0)
     workdir = Path(args.workdir)
@@ -276,8 +291,12 @@ def main(argv=None) -> int:
         if mode_group == ["tmpfs"]:
             source = Path("/dev/shm") / checkpoint.name
             shutil.copytree(checkpoint, source, dirs_exist_ok=True)
+        profiles = out / "profiles" if args.profile else None
+        if profiles is not None:
+            profiles.mkdir(exist_ok=True)
         bench = Bench(source, workdir, args.device, [p for p in args.peers.split(",") if p],
-                      set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl")
+                      set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl",
+                      profiles)
         try:
             results += [bench.case(name, mode_group) for name in args.cases.split(",")]
         finally:

@@ -1,0 +1,55 @@
+"""Where a benchmark load spends its time: the load's process recorded by py-spy (every thread,
+idle ones included), summed per thread group (the hook's readers, the loader's copy and open
+threads, the main thread) into the frames they sat in most.
+
+    python3 -m dev bench ... --profile        # a py-spy record and a summary per load row
+    python3 -m dev.bench.profile RAW [N]      # the summary of a record (py-spy's raw format)
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import shutil
+import sys
+from pathlib import Path
+
+FRAME_DEPTH = 3  # innermost frames shown per sample: enough to tell a wait from a read
+
+
+def command(record: Path) -> list[str] | None:
+    """The py-spy prefix that records a command into `record`; None without py-spy."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    return [spy, "record", "--rate", "100", "--threads", "--idle", "--nonblocking", "--format", "raw",
+            "--output", str(record), "--"]
+
+
+def _group(thread: str) -> str:
+    """A thread's group: its name without the pool's index (rankfs-read-3 -> rankfs-read)."""
+    return re.sub(r"[-_ ]?\d+$", "", thread.split(": ", 1)[-1])
+
+
+def _frame(frame: str) -> str:
+    return re.sub(r" \((?:.*/)?([^/]*:\d+)\)", r" (\1)", frame)
+
+
+def summarize(record: Path, top: int = 8) -> str:
+    groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in record.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        thread, *frames = stack.split(";")
+        groups[_group(thread)][" < ".join(_frame(f) for f in frames[::-1][:FRAME_DEPTH])] += int(count)
+    lines = []
+    for group, frames in sorted(groups.items(), key=lambda g: -sum(g[1].values())):
+        total = sum(frames.values())
+        lines.append(f"{group}: {total} samples")
+        lines += [f"  {100 * n / total:5.1f}%  {where}" for where, n in frames.most_common(top)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summarize(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 8))
