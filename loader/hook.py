@@ -78,15 +78,16 @@ class Hook:
             return EmptyFile()
         with self._lock:
             self.paths.add(path)
-            if self.mode == "on" and self.executor is None:  # the first file, or one after a release
-                self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget)
-                self.map_executor = OrderedExecutor(MAP_READERS, "rankfs-map", self.budget)
         if self.mode == "observe":
             return self.stock_open(path, framework=framework, device=device)
         placement = self.link.placement(path)
-        if placement is not None and self.map_sources:
-            return MappedFile(path, self, placement)
-        return StagedFile(path, self, placement)
+        mapped = placement is not None and self.map_sources
+        with self._lock:  # the threads this kind of file needs, at its first (or its first after a release)
+            if mapped:
+                self.map_executor = self.map_executor or OrderedExecutor(MAP_READERS, "rankfs-map", self.budget)
+            else:
+                self.executor = self.executor or OrderedExecutor(self.settings.threads, "rankfs-read", self.budget)
+        return MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)
 
     def _slabs_wanted(self) -> bool:
         executor = self.executor
