@@ -145,13 +145,13 @@ class RankfsFile:
         shard, where it lies under the same name, when the mount says which. The pages it brings
         into the page cache are dropped after the load."""
         source = self._placement[name][0] if self._placement is not None and name in self._placement else self._view
-        begin, nbytes = self.span(name)
-        source.reading_through_cache(0, 8, around=READ_AROUND)  # it reads the header too, as this does
-        header_end = 8 + struct.unpack("<Q", os.pread(source.fd, 8, 0))[0]
-        source.reading_through_cache(8, header_end, around=READ_AROUND)
-        source.reading_through_cache(begin, begin + nbytes, around=READ_AROUND)
-        if source.path not in self._stock:
+        if source.path not in self._stock:  # opening it reads the header, as this does
+            source.reading_through_cache(0, 8, around=READ_AROUND)
+            header_end = 8 + struct.unpack("<Q", os.pread(source.fd, 8, 0))[0]
+            source.reading_through_cache(8, header_end, around=READ_AROUND)
             self._stock[source.path] = self._hook.stock_open(source.path, framework="pt")
+        begin, nbytes = self.span(name)
+        source.reading_through_cache(begin, begin + nbytes, around=READ_AROUND)
         return getattr(self._stock[source.path], method)(name)
 
 

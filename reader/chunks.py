@@ -7,7 +7,7 @@ import bisect
 from typing import TYPE_CHECKING
 
 from rankfs.plan.extents import Extent
-from rankfs.reader.io import PAGE
+from rankfs.reader.io import PAGE, covering_pages, inner_pages
 
 if TYPE_CHECKING:
     import trio
@@ -68,14 +68,13 @@ class Chunk:
 
     def push_range(self) -> tuple[int, int]:
         """The whole pages a push stores: all but the first page and the partial ones."""
-        return -(-self.start // PAGE) * PAGE + PAGE, self.end // PAGE * PAGE
+        start, end = inner_pages(self.start, self.end)
+        return start + PAGE, end
 
     def read_span(self, direct_io: bool) -> tuple[int, int]:
         """[begin, end) in its source of one read of it: O_DIRECT widens it to whole pages."""
         begin, end = self.source_offset, self.source_offset + self.length
-        if direct_io:
-            return begin // PAGE * PAGE, -(-end // PAGE) * PAGE
-        return begin, end
+        return covering_pages(begin, end) if direct_io else (begin, end)
 
 
 def split_extent(extent: Extent, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:

@@ -52,11 +52,11 @@ def align_up(n: int) -> int:
 
 def inner_pages(begin: int, end: int) -> tuple[int, int]:
     """The whole pages inside [begin, end): a neighbour may still use the pages it shares."""
-    return -(-begin // PAGE) * PAGE, end // PAGE * PAGE
+    return align_up(begin), align_down(end)
 
 
 def covering_pages(begin: int, end: int) -> tuple[int, int]:
-    return begin // PAGE * PAGE, -(-end // PAGE) * PAGE
+    return align_down(begin), align_up(end)
 
 
 def open_for_exact_reads(path, flags: int = os.O_RDONLY) -> int:
@@ -125,7 +125,7 @@ class OpenFile:
         cache holds there now, so that `drop_added` drops only what comes after."""
         if self._map is None:
             return
-        begin, end = align_down(max(0, begin - around)), min(align_up(end + around), align_up(self._size))
+        begin, end = covering_pages(max(0, begin - around), min(end + around, self._size))
         if end > begin:
             with self._lock:
                 self._cached_before.append((begin, self._residency(begin, end)))
