@@ -2,7 +2,8 @@
 benchmark: files opened several at a time and yielded in order (the buffered multi-thread
 iterator), each tensor narrowed by FusedMoE's rule and copied into preallocated memory by a pool of
 copy threads. Routed experts another EP rank owns are skipped, row-store tables only have their
-shape checked. Nothing here knows about rankfs.
+shape checked. The parameters are allocated before the load (`allocate`, as the engines build the
+model before they load its weights), or on first sight. Nothing here knows about rankfs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 import torch.distributed.tensor  # noqa: F401  imported by SGLang's and vLLM's loaders before they load
 from safetensors import safe_open
 
+from rankfs.loader.files import TORCH_DTYPES
 from rankfs.plan.profiles import Profile
+from rankfs.plan.safetensors import read_header
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,22 @@ def narrowed(name: str, tensor: torch.Tensor, profile: Profile, layout: MoELayou
     size = tensor.shape[dim] // layout.moe_tp_size
     rank = (layout.moe_tp_rank + layout.narrow_offset_shift) % layout.moe_tp_size
     return tensor.narrow(dim, size * rank, size)
+
+
+def allocate(files: list[str], profile: Profile, layout: MoELayout, counts: dict, keep=None,
+             device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The parameters a load of `files` copies into, from their headers alone: what the engines
+    allocate when they build the model, before its weights are read."""
+    params = {}
+    for path in files:
+        for name, entry in read_header(path).tensors.items():
+            if keep is not None and not keep(name):
+                continue
+            meta = torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype], device="meta")
+            source = narrowed(name, meta, profile, layout, counts)
+            if source is not None:
+                params[name] = torch.empty(source.shape, dtype=source.dtype, device=device)
+    return params
 
 
 def expert_counts(files: list[str], profile: Profile) -> dict[str, int]:

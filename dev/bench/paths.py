@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dev.bench import sources
-from dev.bench.engine_like import MoELayout, Progress, copy_weights, expert_counts, shard_files
+from dev.bench.engine_like import MoELayout, Progress, allocate, copy_weights, expert_counts, shard_files
 from dev.memstate import vm_hwm
 from rankfs.plan.profiles import BY_NAME
 
@@ -75,10 +75,12 @@ def run_load(args: dict) -> dict:
     if args["device"] != "cpu":
         torch.empty(1, device=args["device"])  # the CUDA context is the engine's, made before it loads
         args["device"] = f"cuda:{torch.cuda.current_device()}"  # the peers want an index
+    params = allocate(shard_files(args["counts_from"]), PROFILE, layout, counts, keep, args["device"])
     weights = _weights(args)
 
     def work():
-        params = copy_weights(weights, PROFILE, layout, counts, keep=keep, device=args["device"], progress=progress)
+        copy_weights(weights, PROFILE, layout, counts, keep=keep, device=args["device"], progress=progress,
+                     params=params)
         if args["device"] != "cpu":
             torch.cuda.synchronize()
         return params
@@ -87,9 +89,9 @@ def run_load(args: dict) -> dict:
         import rankfs.loader
         figures = rankfs.loader.release("target")
         result["release_seconds"] = figures["release_seconds"]  # the engine waits for it too
-        result["release"] = {k: figures[k] for k in ("slabs", "slab_requests", "peak_slab_bytes", "slabs_alive",
-                                                     "pinned", "pinned_bytes", "nontorch_since_load_start",
-                                                     "release_steps")}
+        result["release"] = {k: figures[k] for k in ("slabs", "windows", "window_bytes", "slab_requests",
+                                                     "peak_slab_bytes", "slabs_alive", "pinned", "pinned_bytes",
+                                                     "nontorch_since_load_start", "release_steps")}
     return result
 
 
