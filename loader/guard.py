@@ -19,6 +19,8 @@ class SliceMismatch(RuntimeError):
 
 
 class SlicedTensor(torch.Tensor):
+    __torch_function__ = torch._C._disabled_torch_function_impl  # straight to __torch_dispatch__
+
     @staticmethod
     def __new__(cls, name: str, shape, dtype, dim: int, start: int, stop: int, resident: torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=resident.device)
@@ -36,6 +38,16 @@ class SlicedTensor(torch.Tensor):
             f"of dim {self.rankfs_dim} (shape {tuple(self.shape)}), the slice this rank's layout "
             f"needs; the loader asked for {what}. The engine narrows differently from the mount's "
             "--tp-size/--ep-size/--tp-slice: remount with the engine's layout or --tp-slice off.")
+
+    def narrow(self, dim, start, length):
+        """The engines' loaders take their slice with this, once per expert tensor on the loop the
+        load waits for: the resident bytes at once, without the dispatcher's round trip."""
+        if all(type(x) is int for x in (dim, start, length)):
+            dim = dim % self.dim()
+            start = start + self.shape[dim] if start < 0 else start
+            if dim == self.rankfs_dim and self.rankfs_start <= start and 0 <= length <= self.rankfs_stop - start:
+                return self.rankfs_resident.narrow(dim, start - self.rankfs_start, length)
+        return super().narrow(dim, start, length)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

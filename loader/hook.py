@@ -166,6 +166,7 @@ class Hook:
             "pinned": self.slabs.pin,
             "pinned_bytes": self.slabs.pinned_bytes(),
             "slab_requests": self.slabs.stats.requests, "slabs": self.slabs.stats.slabs,
+            "windows": self.slabs.stats.windows, "window_bytes": self.slabs.stats.window_bytes,
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),
             "torch_host_allocs": memory.host_alloc_count(),
             "release_seconds": clock.total(), "release_steps": clock.steps,

@@ -2,17 +2,21 @@
 instead of one per tensor and copies to the GPU are plain DMA from page-locked memory (pageable
 sources leave driver staging behind, which shrinks MemAvailable on unified memory).
 
-A slab's buffer is an anonymous map in huge pages, page-locked with cudaHostRegister once the read
-threads have filled it (registering an empty map would fault it in on one thread). A slab lives as
-long as some tensor views it: torch holds the memoryview a slab's tensor was made from until the last
-view dies, and that memoryview's finalizer releases the slab's budget and keeps its buffer for the
-next slab (the first use of fresh memory, faulting and page-locking it, costs several times a read
-from the page cache). A tensor larger than a slab gets a buffer of its own.
+A slab's buffer is either a `HostBuffer`, an anonymous map in huge pages filled by the read threads,
+or a `FileWindow`, pages of a source the page cache already holds, mapped in place (nothing read,
+nothing copied: the GPU copies straight from the page cache). Either is page-locked with
+cudaHostRegister once it holds its bytes. A slab lives as long as some tensor views it: torch holds
+the memoryview a slab's tensor was made from until the last view dies, and that memoryview's
+finalizer releases the slab's budget and keeps a host buffer for the next slab (the first use of
+fresh memory, faulting and page-locking it, costs several times a read from the page cache); a
+window is unpinned and unmapped. A tensor larger than a slab gets a buffer of its own.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import logging
 import mmap
 import threading
 import weakref
@@ -22,27 +26,40 @@ from typing import Callable
 import torch
 
 from rankfs.loader.budget import Budget
-from rankfs.reader.io import PAGE
+from rankfs.reader.io import MADV_POPULATE_READ, PAGE, OpenFile, madvise, map_pages, unmap_pages
+
+log = logging.getLogger("rankfs.hook")
+
+CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the only way to page-lock a read-only map
+
+
+def _page_lock(address: int, nbytes: int, flags: int = 0):
+    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, flags)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {error}")
+
 
 class HostBuffer:
     """An anonymous map in huge pages (a fault per 2 MiB, not per 4 KiB), page-locked for DMA once
-    filled (`pin`)."""
+    filled (`pin`): registering it empty would fault it in on one thread."""
+
+    reusable = True
 
     def __init__(self, nbytes: int):
         self.map = mmap.mmap(-1, max(nbytes, 1))
         self.map.madvise(mmap.MADV_HUGEPAGE)
         self.pinned_at: int | None = None
 
+    def memory(self) -> memoryview:
+        return memoryview(self.map)
+
     def pin(self):
-        """cudaHostRegister, once: after the reads, whose threads faulted the pages in together."""
         if self.pinned_at is not None:
             return
         view = torch.frombuffer(self.map, dtype=torch.uint8)
         address = view.data_ptr()
         del view  # a view left alive would keep the map from closing
-        error = torch.cuda.cudart().cudaHostRegister(address, len(self.map), 0)
-        if int(error) != 0:
-            raise RuntimeError(f"cudaHostRegister of a {len(self.map)}-byte slab failed: {error}")
+        _page_lock(address, len(self.map))
         self.pinned_at = address
 
     def __len__(self) -> int:
@@ -55,31 +72,74 @@ class HostBuffer:
         self.map.close()
 
 
+class FileWindow:
+    """Whole pages [begin, end) of a source, mapped shared and read-only: the page cache's own pages,
+    which a tensor views with no read and no copy. Page-locking them (`pin`) lets the GPU copy
+    straight from the page cache. A loader writing into such a tensor faults (SIGSEGV) rather than
+    changing what the GPU gets or the source."""
+
+    reusable = False
+
+    def __init__(self, source: OpenFile, begin: int, end: int):
+        self.address = map_pages(source.fd, begin, end - begin, f"{source.path}: map of [{begin}, {end})")
+        self.nbytes = end - begin
+        self.pinned_at: int | None = None
+
+    def memory(self) -> memoryview:
+        return memoryview((ctypes.c_ubyte * self.nbytes).from_address(self.address))
+
+    def pin(self):
+        if self.pinned_at is None:
+            _page_lock(self.address, self.nbytes, CUDA_HOST_REGISTER_READ_ONLY)
+            self.pinned_at = self.address
+
+    def populate(self):
+        """Map the pages in here (a read thread), not in the loader's page faults, where nothing
+        page-locks them (loads into host memory). Before Linux 5.14 the loader's faults do it."""
+        try:
+            madvise(self.address, self.nbytes, MADV_POPULATE_READ)
+        except OSError:
+            pass
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def close(self):
+        if self.address is None:
+            return
+        if self.pinned_at is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.pinned_at)
+            self.pinned_at = None
+        unmap_pages(self.address, self.nbytes)
+        self.address = None
+
+
+Buffer = HostBuffer | FileWindow
+
+
 class Slab:
     """A buffer, the tensors placed in it (for the report of leftovers) and a uint8 tensor over it
     that every tensor handed out views."""
 
-    def __init__(self, buffer: HostBuffer, nbytes: int, on_death: Callable[[], None]):
-        self.buffer = buffer
-        memory = memoryview(buffer.map)[:nbytes]
+    def __init__(self, buffer: Buffer, nbytes: int, reserved: int, on_death: Callable[[], None]):
+        self.buffer, self.reserved = buffer, reserved  # reserved: the budget its death releases
+        memory = buffer.memory()[:nbytes]
         weakref.finalize(memory, on_death).atexit = False
         self.tensor = torch.frombuffer(memory, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-
-    def target(self, offset: int, nbytes: int) -> memoryview:
-        """Where a read fills bytes [offset, offset + nbytes) of the slab."""
-        return memoryview(self.tensor.numpy())[offset:offset + nbytes]
 
 
 @dataclass
 class SlabStats:
     requests: int = 0  # tensors placed in slabs
     slabs: int = 0
+    windows: int = 0  # of which windows of the page cache
+    window_bytes: int = 0
     file_bytes: dict[str, int] = field(default_factory=dict)  # per file: its slabs' buffers, together
 
 
 class SlabPool:
     def __init__(self, slab_bytes: int, budget: Budget, pin: bool,
-                 wanted: Callable[[], bool] = lambda: True, retire: Callable[[HostBuffer], None] = HostBuffer.close):
+                 wanted: Callable[[], bool] = lambda: True, retire: Callable[[Buffer], None] = lambda buffer: buffer.close()):
         """wanted(): whether more slabs will be asked for (else a dead slab's buffer goes at once);
         retire(buffer): unpin and unmap it, off the loader's threads where it can."""
         self.wanted, self.retire = wanted, retire
@@ -88,7 +148,8 @@ class SlabPool:
         self.pin = pin
         self.stats = SlabStats()
         self._ids = itertools.count()
-        self._live: dict[int, tuple[str, list[str], HostBuffer]] = {}  # slab id -> (file, tensor names, buffer)
+        self.windows_pinnable = True  # until the kernel refuses to page-lock a window
+        self._live: dict[int, tuple[str, list[str], Buffer]] = {}  # slab id -> (file, tensor names, buffer)
         self._idle: list[HostBuffer] = []  # buffers of dead slabs, for the next ones
         self._lock = threading.Lock()
 
@@ -100,9 +161,30 @@ class SlabPool:
     def allocate(self, nbytes: int, names: list[str], file: str, on_death: Callable[[], None] | None = None) -> Slab:
         """A new slab of nbytes; its footprint is reserved already (by the read threads' admission),
         and released by its death (then on_death() runs too)."""
-        slab_id = next(self._ids)
         size = self.footprint(nbytes)
-        buffer = self._reuse(size) or HostBuffer(size)
+        return self._slab(self._reuse(size) or HostBuffer(size), nbytes, size, names, file, on_death)
+
+    def window(self, source: OpenFile, begin: int, end: int, names: list[str], file: str,
+               on_death: Callable[[], None] | None = None) -> Slab:
+        """A slab of the source's whole pages [begin, end), which the page cache holds, mapped in
+        place and page-locked when the pool pins; its end - begin bytes are reserved already. A
+        window the kernel will not page-lock stays pageable (copies from it are slower, not
+        wrong), and later groups are read into host buffers (`windows_pinnable`)."""
+        window = FileWindow(source, begin, end)
+        try:
+            window.pin() if self.pin else window.populate()
+        except RuntimeError as exc:
+            if self.windows_pinnable:
+                log.warning("rankfs hook: %s: page-cache pages cannot be page-locked (%s); reading into "
+                            "pinned buffers instead", source.path, exc)
+            self.windows_pinnable = False
+        with self._lock:
+            self.stats.windows += 1
+            self.stats.window_bytes += len(window)
+        return self._slab(window, len(window), len(window), names, file, on_death)
+
+    def _slab(self, buffer: Buffer, nbytes: int, size: int, names: list[str], file: str, on_death) -> Slab:
+        slab_id = next(self._ids)
         with self._lock:
             self._live[slab_id] = (file, names, buffer)
             self.stats.slabs += 1
@@ -113,21 +195,22 @@ class SlabPool:
             self._died(slab_id, size, buffer)
             if on_death is not None:
                 on_death()
-        return Slab(buffer, nbytes, died)
+        return Slab(buffer, nbytes, size, died)
 
     def filled(self, slab: Slab):
         """A slab's reads are done: page-lock it for DMA when the pool pins."""
         if self.pin:
             slab.buffer.pin()
 
-    def _died(self, slab_id: int, nbytes: int, buffer: HostBuffer):
-        """The last tensor viewing a slab is gone (any thread, often one of the loader's): its buffer
-        waits for the next slab, unless no more are wanted (the load's last reads are done: unmapping
-        now spares the release) or the buffers would hold more than the budget (after a file larger
-        than it)."""
+    def _died(self, slab_id: int, nbytes: int, buffer: Buffer):
+        """The last tensor viewing a slab is gone (any thread, often one of the loader's): a host
+        buffer waits for the next slab, unless no more are wanted (the load's last reads are done:
+        unmapping now spares the release) or the buffers would hold more than the budget (after a
+        file larger than it); a window goes."""
         with self._lock:
             del self._live[slab_id]
-            keep = self.budget.used - nbytes + sum(len(b) for b in self._idle) + len(buffer) <= self.budget.limit
+            keep = buffer.reusable and (self.budget.used - nbytes + sum(len(b) for b in self._idle) + len(buffer)
+                                        <= self.budget.limit)
         keep = keep and self.wanted()
         if keep:
             with self._lock:

@@ -1,13 +1,15 @@
 """Tensors staged in slabs (for copies to a GPU: DMA from page-locked memory). Each group of a
-file's tensors fills one slab, read ahead by the hook's threads in the loaders' order as the budget
-has room, every free thread helping with the group the loader needs first; `get_tensor` waits for
-its group and returns a view into the slab.
+file's tensors is staged by the hook's threads in the loaders' order as the budget has room, every
+free thread helping with the group the loader needs first; `get_tensor` waits for its group and
+returns a view into its slab.
 
-Bytes adjacent in a source are read together, straight from the disk (O_DIRECT) unless the page
-cache holds them already: a load adds nothing to the page cache, so there is nothing to drop after
-it, and a direct read is one copy by the device instead of two. A slab lays out each run of
-adjacent bytes at its file offset's place within a page, with its first and last pages to itself,
-as direct reads need.
+Bytes adjacent in a source form a run; runs that touch, joined, are a window where they are 8 MiB
+or more and the page cache holds them whole (checked when the file is opened): their pages mapped
+in place and page-locked (with CUDA), so the GPU copies from the page cache with no read and no copy
+by the CPU, which the loader's own threads need then. The rest of the group fills one slab: each run
+read straight from the disk (O_DIRECT) unless the page cache holds it, at its file offset's place
+within a page, with its first and last pages to itself, as direct reads need; slices spread over
+rows read row by row. Either way a load adds nothing to the page cache.
 
 Reads ahead are admitted in the loaders' order while the budget has room. The file the loader
 consumes now goes beyond it only when files before it hold one slab at most (the loader takes a
@@ -28,22 +30,57 @@ import torch
 
 from rankfs.loader.files import RankfsFile
 from rankfs.loader.slabs import Slab
-from rankfs.reader.io import PAGE, OpenFile, align_up
+from rankfs.reader.io import PAGE, OpenFile, align_up, covering_pages
 
 BOUNCE_BYTES = 8 << 20
 RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small enough to spread over threads
+WINDOW_BYTES = 8 << 20  # the least a window holds
 
 _thread = threading.local()
 
 
 class Run(NamedTuple):
     """Bytes adjacent in one file, read together into a slab at `at` (congruent to `offset`
-    modulo PAGE); `first` names its first tensor, for messages."""
+    modulo PAGE), or mapped as a window; `names` are its tensors, the first for messages."""
     source: OpenFile
     offset: int
     length: int
     at: int
-    first: str
+    names: tuple[str, ...]
+
+    @property
+    def first(self) -> str:
+        return self.names[0]
+
+
+class Span(NamedTuple):
+    """Runs of a group that share or touch pages, as the whole pages [begin, end) a window maps."""
+    source: OpenFile
+    begin: int
+    end: int
+    names: tuple[str, ...]
+
+
+class Staging(NamedTuple):
+    """How a group is staged: `windows`, and the other tensors (`in_slab`) read into one slab as
+    `runs` and rows laid out at `offsets`, `size` bytes in all."""
+    windows: list[Span]
+    in_slab: list[str]
+    runs: list[Run]
+    offsets: dict[str, int]
+    size: int
+
+
+def join_touching(runs: list[Run]) -> list[Span]:
+    """Runs in file order, those that share or touch pages joined, as whole pages."""
+    spans: list[Span] = []
+    for run in runs:
+        begin, end = covering_pages(run.offset, run.offset + run.length)
+        if spans and spans[-1].source is run.source and begin <= spans[-1].end:
+            spans[-1] = spans[-1]._replace(end=max(end, spans[-1].end), names=spans[-1].names + run.names)
+        else:
+            spans.append(Span(run.source, begin, end, run.names))
+    return spans
 
 
 def lay_out(blocks: list[tuple[str, OpenFile, int, int]], rows: list[tuple[str, int]]):
@@ -60,7 +97,7 @@ def lay_out(blocks: list[tuple[str, OpenFile, int, int]], rows: list[tuple[str, 
         nonlocal pos
         source, begin, end, members = current
         at = align_up(pos) + begin % PAGE
-        runs.append(Run(source, begin, end - begin, at, members[0][0]))
+        runs.append(Run(source, begin, end - begin, at, tuple(name for name, _ in members)))
         offsets.update((name, at + offset - begin) for name, offset in members)
         pos = at + end - begin
     for name, source, offset, length in sorted(blocks, key=lambda b: (b[1].path, b[2])):
@@ -118,8 +155,8 @@ class StagedFile(RankfsFile):
         super().__init__(path, hook, placement)
         self._demanded: set[int] = set()  # groups the loader waits for
         self._handed: list[set[str]] = [set() for _ in self.groups]  # per group: tensors handed out
-        self._layouts = [self._lay_out(group) for group in self.groups]
-        self._costs = [hook.slabs.footprint(size) for _, _, size in self._layouts]
+        self._stagings = [self._plan(group) for group in self.groups]
+        self._costs = [self._cost(staging) for staging in self._stagings]
         self.slabs_alive = 0
         self.handing_out = bool(self.groups)  # some tensor not yet handed out: it may be the loader's now
         self._lock = threading.Lock()
@@ -130,14 +167,14 @@ class StagedFile(RankfsFile):
         if group not in self._demanded:
             self._demanded.add(group)
             self._hook.wake_readers()  # it may be the one that must go beyond the budget
-        slab = (self._futures[group] or self._submit(group)).result()
+        placed = (self._futures[group] or self._submit(group)).result()
         self._handed[group].add(name)
-        if len(self._handed[group]) == len(self.groups[group]):  # the slab lives exactly as long as its tensors
+        if len(self._handed[group]) == len(self.groups[group]):  # slabs live exactly as long as their tensors
             self._futures[group] = None
             if all(len(handed) == len(names) for handed, names in zip(self._handed, self.groups)):
                 self._done_handing_out()
         self.count_loaded(self.span(name)[1])
-        at = self._layouts[group][1][name]
+        slab, at = placed[name]
         data = slab.tensor[at:at + self.resident_bytes(name)]
         if at % dtype.itemsize:  # a tensor not aligned to its type in the file (legal, rare)
             data = data.clone()
@@ -158,9 +195,24 @@ class StagedFile(RankfsFile):
             self._hook.consuming.discard(self)
             self._hook.wake_readers()  # the next file is now the one the loader consumes
 
-    def _lay_out(self, group: list[str]):
+    def _plan(self, names: list[str]) -> Staging:
+        """Runs that touch, joined, are windows where they are large and the page cache holds them
+        whole (each page-lock is a driver call that the loader's own CUDA calls wait behind: sliced
+        experts' blocks of a few MB are read instead); the rest is read into a slab."""
+        runs, offsets, size = self._lay_out(names)
+        if not self._hook.slabs.windows_pinnable:
+            return Staging([], names, runs, offsets, size)
+        windows = [span for span in join_touching(runs)
+                   if span.end - span.begin >= WINDOW_BYTES and span.source.resident(span.begin, span.end)]
+        if not windows:
+            return Staging([], names, runs, offsets, size)
+        windowed = {name for span in windows for name in span.names}
+        in_slab = [name for name in names if name not in windowed]
+        return Staging(windows, in_slab, *self._lay_out(in_slab))
+
+    def _lay_out(self, names: list[str]):
         blocks, rows = [], []
-        for name in group:
+        for name in names:
             begin = self.block(name)
             if begin is None:
                 rows.append((name, self.resident_bytes(name)))
@@ -168,8 +220,13 @@ class StagedFile(RankfsFile):
                 blocks.append((name, self.locate(name)[0], begin, self.resident_bytes(name)))
         return lay_out(blocks, rows)
 
+    def _cost(self, staging: Staging) -> int:
+        """The budget a group takes: its windows, and its slab's footprint."""
+        slab = self._hook.slabs.footprint(staging.size) if staging.in_slab else 0
+        return sum(span.end - span.begin for span in staging.windows) + slab
+
     def _submit(self, group: int) -> Future:
-        """Read a group ahead: the loaders take files in sorted order, each file's groups in order."""
+        """Stage a group ahead: the loaders take files in sorted order, each file's groups in order."""
         return self._hook.executor.submit((self.path, group), self._load, group, cost=self._costs[group],
                                           urgent=lambda: self._must_exceed_budget(group))
 
@@ -180,25 +237,52 @@ class StagedFile(RankfsFile):
         return (group in self._demanded and self._hook.consumed_now() is self
                 and sum(f.slabs_alive for f in list(self._hook.holding) if f.path < self.path) <= 1)
 
-    def _load(self, group: int) -> Slab:
-        """Runs in a hook thread, its cost reserved: fill one slab, every free read thread helping."""
-        runs, _, size = self._layouts[group]
-        slab = self._hook.slabs.allocate(size, self.groups[group], self.path, on_death=self._slab_died)
-        with self._lock:
-            self.slabs_alive += 1
-            self._hook.holding.add(self)
-        buffer = memoryview(slab.tensor.numpy())
-        reads = [(run.source.path, run.offset, run.length, functools.partial(self._read_run, run, buffer))
-                 for run in runs]
-        reads += [(*self._where(name), self.span(name)[1], functools.partial(self._read_rows, name, buffer))
-                  for name in self.groups[group] if self.block(name) is None]
-        self._hook.executor.run_all((self.path, group), _batches(sorted(reads, key=lambda r: r[:2])))
-        self._hook.slabs.filled(slab)
+    def _load(self, group: int) -> dict[str, tuple[Slab, int]]:
+        """Runs in a hook thread, its cost reserved: stage one group, every free read thread
+        helping. Returns {tensor: (slab, offset in it)}."""
+        staging = self._stagings[group]
+        placed: dict[str, tuple[Slab, int]] = {}
+        jobs = [(span.source.path, span.begin, span.end - span.begin, functools.partial(self._map_window, span, placed))
+                for span in staging.windows]  # (path, offset, bytes, callable), sorted into file order below
+        slab = None
+        try:
+            if staging.in_slab:
+                slab = self._allocate(staging.size, staging.in_slab)
+                placed.update((name, (slab, staging.offsets[name])) for name in staging.in_slab)
+                buffer = memoryview(slab.tensor.numpy())
+                jobs += [(run.source.path, run.offset, run.length, functools.partial(self._read_run, run, buffer))
+                         for run in staging.runs]
+                jobs += [(*self._where(name), self.span(name)[1],
+                          functools.partial(self._read_rows, name, buffer, staging.offsets[name]))
+                         for name in staging.in_slab if self.block(name) is None]
+            self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2])))
+        except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
+            self._hook.budget.release(self._costs[group] - sum({id(s): s.reserved for s, _ in placed.values()}.values()))
+            raise
+        if slab is not None:
+            self._hook.slabs.filled(slab)
+        return placed
+
+    def _allocate(self, size: int, names: list[str]):
+        slab = self._hook.slabs.allocate(size, names, self.path, on_death=self._slab_died)
+        self._slab_born()
         return slab
+
+    def _map_window(self, span: Span, placed: dict[str, tuple[Slab, int]]):
+        window = self._hook.slabs.window(span.source, span.begin, span.end, list(span.names), self.path,
+                                         on_death=self._slab_died)
+        self._slab_born()
+        for name in span.names:
+            placed[name] = (window, self.block(name) - span.begin)
 
     def _where(self, name: str) -> tuple[str, int]:
         source, offset = self.locate(name)
         return source.path, offset
+
+    def _slab_born(self):
+        with self._lock:
+            self.slabs_alive += 1
+            self._hook.holding.add(self)
 
     def _slab_died(self):
         with self._lock:
@@ -213,13 +297,11 @@ class StagedFile(RankfsFile):
         if done < run.length:
             raise _short(run.source.path, run.first, run.offset + done)
 
-    def _read_rows(self, name: str, buffer: memoryview):
+    def _read_rows(self, name: str, buffer: memoryview, at: int):
         """A slice spread over rows: whole rows through a bounded buffer, the rank's columns copied
-        out (every page of the rows holds kept bytes)."""
+        out to buffer[at:] (every page of the rows holds kept bytes)."""
         source, begin = self.locate(name)
         rows = self.rows(name)
-        group = self._group_of[name]
-        at = self._layouts[group][1][name]
         per_read = min(rows.count, max(1, BOUNCE_BYTES // rows.row_bytes))
         out = np.frombuffer(buffer[at:at + self.resident_bytes(name)], np.uint8).reshape(
             rows.count, rows.keep_stop - rows.keep_start)

@@ -42,6 +42,19 @@ def madvise(address: int, length: int, advice: int):
         raise OSError(err, os.strerror(err))
 
 
+def map_pages(fd: int, offset: int, length: int, what: str) -> int:
+    """The address of a shared read-only map of a file's [offset, offset + length) (offset on a
+    page): through libc, since Python's mmap exposes no address and reads nothing faster."""
+    address = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+    if address in (None, _MAP_FAILED):
+        raise _os_error(f"{what}: mmap")
+    return address
+
+
+def unmap_pages(address: int, length: int):
+    _libc.munmap(address, length)
+
+
 def align_down(n: int) -> int:
     return n // PAGE * PAGE
 
@@ -87,8 +100,10 @@ class OpenFile:
         self._size = os.fstat(self.fd).st_size
         self._map: int | None = None  # a map of the file, only for mincore (it reads nothing)
         if self._size:
-            address = _libc.mmap(None, self._size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)
-            self._map = None if address in (None, _MAP_FAILED) else address
+            try:
+                self._map = map_pages(self.fd, 0, self._size, path)
+            except OSError:
+                pass
         if direct and self._size:
             try:
                 self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -110,6 +125,12 @@ class OpenFile:
             if not vector.raw[0] & 1:
                 return False
         return True
+
+    def resident(self, begin: int, end: int) -> bool:
+        """Whether the page cache holds every page of [begin, end)."""
+        if self._map is None or end > self._size or end <= begin:
+            return False
+        return 0 not in self._residency(*covering_pages(begin, end))
 
     def _residency(self, begin: int, end: int) -> bytes:
         """Per page of [begin, end) (whole pages): 1 if it is in the page cache."""
@@ -179,7 +200,7 @@ class OpenFile:
 
     def close(self):
         if self._map is not None:
-            _libc.munmap(self._map, self._size)
+            unmap_pages(self._map, self._size)
             self._map = None
         for fd in (self.fd, self.direct_fd, self._retired_fd):
             if fd is not None and fd >= 0:

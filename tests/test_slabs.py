@@ -1,13 +1,18 @@
 """The hook's slabs: a slab's budget is released the moment its last tensor dies, its buffer serves
 the next slab (never unmapped mid-load while the buffers fit the budget), one that would not fit is
-unmapped, nothing is kept after the load."""
+unmapped, nothing is kept after the load; a window of the page cache views it in place and is
+unmapped with its last tensor."""
 
 from __future__ import annotations
 
 import gc
 
+import numpy as np
+
+from dev.memstate import uncache
 from rankfs.loader.budget import Budget
 from rankfs.loader.slabs import SlabPool
+from rankfs.reader.io import PAGE, OpenFile
 
 MIB = 1 << 20
 
@@ -40,3 +45,29 @@ def test_dead_slabs_are_released_reused_and_unmapped_beyond_the_budget():
     gc.collect()
     pool.drop_idle()
     assert pool._idle == [] and budget.used == 0 and pool.pinned_bytes() == 0
+
+
+def test_a_window_views_the_page_cache_in_place_until_its_last_tensor_dies(tmp_path):
+    data = np.random.default_rng(3).integers(0, 256, 3 * PAGE + 100, dtype=np.uint8).tobytes()
+    path = tmp_path / "source.bin"
+    path.write_bytes(data)
+    source = OpenFile(str(path))
+    try:
+        assert source.resident(PAGE, 3 * PAGE + 100)  # just written: cached
+        budget = Budget(MIB)
+        pool = SlabPool(MIB, budget, pin=False)
+        budget.reserve(3 * PAGE)
+        window = pool.window(source, PAGE, 4 * PAGE, ["t"], "a.safetensors")
+        buffer = window.buffer
+        view = window.tensor[50:50 + 2 * PAGE]
+        assert bytes(view.numpy()) == data[PAGE + 50:3 * PAGE + 50]
+        del window
+        assert pool.alive() == [("a.safetensors", ["t"])] and budget.used == 3 * PAGE
+        del view
+        assert pool.alive() == [] and budget.used == 0 and buffer.address is None  # unmapped, never kept
+        assert pool._idle == [] and (pool.stats.windows, pool.stats.window_bytes) == (1, 3 * PAGE)
+
+        uncache([path])
+        assert not source.resident(PAGE, 2 * PAGE)
+    finally:
+        source.close()

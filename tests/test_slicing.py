@@ -180,31 +180,67 @@ def test_mapped_tensors_count_against_the_hook_budget_until_the_loader_lets_go(t
 
 
 @pytest.mark.mount
+@pytest.mark.parametrize("sources", ["cached", "uncached"])
 @pytest.mark.parametrize("budget_mib", [2, 64])
 def test_staged_slabs_stay_within_the_budget_or_one_file_larger_than_it(tiny_checkpoint, mount_dir, monkeypatch,
-                                                                       budget_mib):
+                                                                       budget_mib, sources):
     """Reads ahead into slabs are admitted in the loaders' order within the budget; only the file the
     loader consumes goes beyond, once what files before it hold is one slab (the loader holds a
     whole file before it copies any). With a budget smaller than the files the load completes,
-    bitwise; with one larger than every file the slabs pass it by one slab at most."""
+    bitwise; with one larger than every file the slabs pass it by one slab at most. Sources the page
+    cache holds are staged as windows of it, the others read into host buffers."""
     monkeypatch.setenv("RANKFS_HOOK_MAP", "off")
     monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
     monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", str(budget_mib / 1024))
+    want = {n: t.clone() for n, t in load_like_engine(tiny_checkpoint, engine_layout(4, 1, 1), tiny_checkpoint).items()
+            if not n.startswith("mtp.")}
     loader.activate("on")
     try:
         with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
-            layout = engine_layout(4, 1, 1)
-            got = load_like_engine(mount_dir / "target", layout, tiny_checkpoint)
+            counts = expert_counts(shard_files(tiny_checkpoint), PROFILE)  # it reads the sources' headers
+            if sources == "uncached":
+                uncache(shard_files(tiny_checkpoint))
+            got = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint, counts)
             hook = loader.current()
             largest_file, limit = max(hook.slabs.stats.file_bytes.values()), hook.budget.limit
             assert (largest_file > limit) == (budget_mib == 2)
             # Beyond the budget: the file consumed now, and one slab; reads ahead admitted before
             # it was opened (the loader opens several at once) may still hold the budget.
             assert 0 < hook.budget.peak <= limit + (largest_file if largest_file > limit else 0) + (1 << 20)
-            assert_same(got, {n: t for n, t in load_like_engine(tiny_checkpoint, layout, tiny_checkpoint).items()
-                              if not n.startswith("mtp.")})
+            assert_same(got, want)
             del got
-            assert loader.release("target")["slabs_alive"] == 0
+            figures = loader.release("target")
+            assert figures["slabs_alive"] == 0 and hook.budget.used == 0
+    finally:
+        loader.deactivate()
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("sources", ["cached", "uncached"])
+def test_runs_the_page_cache_holds_are_staged_in_place(tmp_path_factory, mount_dir, monkeypatch, sources):
+    """Whole experts (an EP rank's: runs of 19 MB) that the page cache holds are windows of it, not
+    read: the same bytes, nothing alive after the release, the sources' page cache as it was.
+    Uncached, they are read into slabs."""
+    checkpoint = deepseek_v4.write(tmp_path_factory.mktemp("windows") / "dsv4", deepseek_v4.FixtureSpec.sized(1, experts=4))
+    files = shard_files(checkpoint)
+    layout = MoELayout(moe_tp_size=2, moe_tp_rank=0, ep_size=2, ep_rank=0, n_experts=4)  # TP4/EP2 rank 0
+    counts = expert_counts(files, PROFILE)
+    want = {n: t.clone() for n, t in load_like_engine(checkpoint, layout, checkpoint, counts).items()
+            if not n.startswith("mtp.")}
+    monkeypatch.setenv("RANKFS_HOOK_MAP", "off")
+    loader.activate("on")
+    try:
+        with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--ep-size", 2):
+            if sources == "uncached":
+                uncache(files)
+            cached = cached_bytes(files)
+            got = load_like_engine(mount_dir / "target", layout, checkpoint, counts)
+            assert_same(got, want)
+            del got
+            figures = loader.release("target")
+            assert figures["slabs_alive"] == 0 and loader.current().budget.used == 0
+            assert (figures["windows"] > 0) == (sources == "cached")
+            assert cached_bytes(files) == cached
     finally:
         loader.deactivate()
 

@@ -1,11 +1,13 @@
 """End-to-end load into CUDA memory: the stock path (mmap of the original files, pageable copies)
 against the rankfs view through the hook (pinned slabs), each in a process of its own.
 
-    python3 -m dev.bench.gpu_load CHECKPOINT MOUNTPOINT [--tp-size 4 --tp-rank 1 --ep-size 1]
+    python3 -m dev.bench.gpu_load CHECKPOINT MOUNTPOINT [--tp-size 4 --tp-rank 1 --ep-size 1] [--warm]
 
 Mounts the rank's view, loads it both ways with the engine-like loader, checks that every parameter
 is bitwise equal (digests of the GPU bytes), and prints the memory figures after each load: RSS,
-MemAvailable lost, CUDA reserved, and for the hook its release report (slabs, pinned, leftovers).
+MemAvailable lost, CUDA reserved, and for the hook its release report (slabs, windows, pinned,
+leftovers). Each load starts with the sources out of the page cache, or with `--warm` in it (the
+hook then stages them as windows of the page cache where it can).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from dev.bench.run import drop_caches
+from dev.bench.engine_like import shard_files
+from dev.bench.run import drop_caches, warm
 from dev.session import ROOT, mounted
 
 
@@ -28,7 +31,7 @@ def child(mode: str, directory: str, counts_from: str, layout: dict, device: str
 
     import torch
 
-    from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
+    from dev.bench.engine_like import MoELayout, expert_counts, load
     from rankfs.loader import memory
     from rankfs.plan.profiles import BY_NAME
     torch.empty(1, device=device)  # the CUDA context belongs to the baseline
@@ -49,7 +52,7 @@ def child(mode: str, directory: str, counts_from: str, layout: dict, device: str
     if mode == "hook":
         import rankfs.loader as loader
         figures = loader.release("target")
-        out["release"] = {k: figures[k] for k in ("pinned", "slabs", "slab_requests", "peak_slab_bytes",
+        out["release"] = {k: figures[k] for k in ("pinned", "slabs", "windows", "slab_requests", "peak_slab_bytes",
                                                   "slabs_alive", "torch_host_allocs", "nontorch_since_load_start")}
     else:  # what an engine does after a stock load
         gc.collect()
@@ -87,6 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--ep-size", type=int, default=1)
     p.add_argument("--local-ranks", help="several ranks at once through one mount (e.g. 0,1), one GPU each")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--warm", action="store_true", help="start each load with the sources in page cache")
     p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     moe_tp = args.tp_size // args.ep_size
@@ -104,7 +108,10 @@ def main(argv=None) -> int:
                  *rank_flags) as mnt:
         # With several local ranks every rank is started with the same shared view, as an engine is.
         for mode, directory in (("stock", args.checkpoint), ("hook", str(mnt / "target"))):
-            drop_caches()
+            if args.warm:
+                warm(shard_files(args.checkpoint))
+            else:
+                drop_caches()
             procs = [subprocess.Popen(_child_command(args, rank, mode, directory, device), cwd=ROOT, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       env={**os.environ, "RANKFS_RANK": str(rank)})
