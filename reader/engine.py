@@ -174,10 +174,11 @@ class ReadEngine:
 
     def _release_passed(self, file: FileStream):
         # Pushed chunks far behind the loader whose first page it never asked for (their pages were
-        # already cached, or evicted and skipped): no longer ahead of it, so no longer budgeted.
+        # already cached, or evicted and skipped, or it reads out of the stream's order): no longer
+        # ahead of it, so no longer budgeted.
         for chunk in [c for c in self.held.pushed.values()
                       if c.file is file and c.stream_pos < file.frontier - PUSH_LAG_CHUNKS]:
-            self.held.free(chunk)
+            self.held.let_pass(chunk)
 
     def drop(self):
         """Free every chunk in memory (after a load, or on request). A view read again after a drop

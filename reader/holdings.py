@@ -20,6 +20,10 @@ log = logging.getLogger("rankfs.reader")
 # What reads the loader waits on may hold beyond the budget before prefetched chunks are evicted
 # for them: a few of them at a time, answered and freed right away.
 DEMAND_SLACK = 64 << 20
+# Edges of pushed chunks the loader is well past, kept (this much at most, the oldest dropped first)
+# after their budget went: a reader out of the stream's order (cp, a read by offset) then reads a
+# chunk's first page from memory, not the whole chunk again.
+PASSED_EDGE_BYTES = 16 << 20
 
 
 class Holdings:
@@ -32,6 +36,8 @@ class Holdings:
         self._direct_io = direct_io
         self.loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
         self.pushed: dict[int, Chunk] = {}  # those of them whose memory went after a push
+        self.passed: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # edges kept, unbudgeted
+        self._passed_bytes = 0
         self._to_uncache: list[tuple[int, int, int]] = []
 
     def cost(self, chunk: Chunk) -> int:
@@ -49,8 +55,26 @@ class Holdings:
         while self.budget.used > self.budget.limit + DEMAND_SLACK and self.loaded:
             self.free(next(iter(self.loaded.values())))
 
+    def let_pass(self, chunk: Chunk):
+        """A pushed chunk the loader is well past stops counting against the budget; its edges
+        stay, within PASSED_EDGE_BYTES."""
+        if self.loaded.pop(id(chunk), None) is None:
+            return
+        self.pushed.pop(id(chunk), None)
+        self.budget.release(self.cost(chunk))
+        self.passed[id(chunk)] = chunk
+        self._passed_bytes += len(chunk.head) + len(chunk.tail)
+        while self._passed_bytes > PASSED_EDGE_BYTES:
+            self._forget_edges(next(iter(self.passed.values())))
+
+    def _forget_edges(self, chunk: Chunk):
+        if self.passed.pop(id(chunk), None) is not None:
+            self._passed_bytes -= len(chunk.head) + len(chunk.tail)
+            chunk.head = chunk.tail = b""
+
     def free(self, chunk: Chunk):
         """A loaded chunk lets go of its memory and its part of the budget."""
+        self._forget_edges(chunk)
         if self.loaded.pop(id(chunk), None) is not None:
             self.pushed.pop(id(chunk), None)
             if chunk.backing is not None:
@@ -60,7 +84,7 @@ class Holdings:
             self.budget.release(self.cost(chunk))
 
     def free_all(self):
-        for chunk in list(self.loaded.values()):
+        for chunk in list(self.loaded.values()) + list(self.passed.values()):
             self.free(chunk)
         self.pool.trim()
 
