@@ -3,8 +3,8 @@ file's tensors is staged by the hook's threads in the loaders' order as the budg
 free thread helping with the group the loader needs first; `get_tensor` waits for its group and
 returns a view into its slab.
 
-Bytes adjacent in a source form a run; runs that touch, joined, are a window where they are 8 MiB
-or more and the page cache holds them whole (checked when the file is opened): their pages mapped
+Bytes adjacent in a source form a run; runs that touch, joined, are a window where they are a 32nd
+of a slab (8 MiB) or more and the page cache holds them whole (checked when the file is opened): their pages mapped
 in place and page-locked (with CUDA), so the GPU copies from the page cache with no read and no copy
 by the CPU, which the loader's own threads need then. The rest of the group fills one slab: each run
 read straight from the disk (O_DIRECT) unless the page cache holds it, at its file offset's place
@@ -34,7 +34,7 @@ from rankfs.reader.io import PAGE, OpenFile, align_up, covering_pages
 
 BOUNCE_BYTES = 8 << 20
 RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small enough to spread over threads
-WINDOW_BYTES = 8 << 20  # the least a window holds
+WINDOW_SHARE = 32  # a window holds a 32nd of a slab at least: 8 MiB of the default 256
 
 _thread = threading.local()
 
@@ -202,8 +202,9 @@ class StagedFile(RankfsFile):
         runs, offsets, size = self._lay_out(names)
         if not self._hook.slabs.windows_pinnable:
             return Staging([], names, runs, offsets, size)
+        least = self._hook.settings.slab_bytes // WINDOW_SHARE
         windows = [span for span in join_touching(runs)
-                   if span.end - span.begin >= WINDOW_BYTES and span.source.resident(span.begin, span.end)]
+                   if span.end - span.begin >= least and span.source.resident(span.begin, span.end)]
         if not windows:
             return Staging([], names, runs, offsets, size)
         windowed = {name for span in windows for name in span.names}

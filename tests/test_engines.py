@@ -73,9 +73,12 @@ def mounts(tiny_checkpoint, tmp_path_factory):
 @pytest.mark.parametrize("path", ["map", "slab"])
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_each_load_is_released_once_when_it_returns(tiny_checkpoint, mounts, engine, path):
-    reports, stderr = drive(engine, jobs_for(tiny_checkpoint, mounts), {"RANKFS_HOOK_MAP": "on" if path == "map" else "off"},
-                            ["rankfs", "run", "--"])
+    # 1 MiB slabs: the cached experts' runs (64 KiB and more) are windows of the page cache, the rest slabs
+    env = {"RANKFS_HOOK_MAP": "on"} if path == "map" else {"RANKFS_HOOK_MAP": "off", "RANKFS_HOOK_SLAB_MB": "1"}
+    reports, stderr = drive(engine, jobs_for(tiny_checkpoint, mounts), env, ["rankfs", "run", "--"])
     check(reports, stderr)
+    staged = [figures for r in reports for figures in r["release_figures"]]
+    assert (path == "slab") == any(f["windows"] for f in staged) and all(f["slabs"] >= f["windows"] for f in staged)
     for name, mountpoint in mounts.items():  # every byte came from the sources, nothing read ahead twice
         status = json.loads(rankfs("status", mountpoint, "--json").stdout)
         assert status["prefetch_loads"] == 0 and status["pushed_bytes"] == 0
