@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -106,15 +107,20 @@ def expert_counts(files: list[str], profile: Profile) -> dict[str, int]:
 
 
 class Progress:
-    """Bytes copied so far, readable from another thread (for the benchmark's timeline)."""
+    """Bytes copied so far, readable from another thread (for the benchmark's timeline), and what
+    bounds the load: the loop's seconds waiting for its next tensor (the source), the copy threads'
+    seconds copying, together (the copies); neither, the loop's own work."""
 
     def __init__(self):
         self.bytes = 0
+        self.waited = 0.0
+        self.copying = 0.0
         self._lock = threading.Lock()
 
-    def add(self, n: int):
+    def add(self, n: int, seconds: float = 0.0):
         with self._lock:
             self.bytes += n
+            self.copying += seconds
 
 
 def copy_weights(weights, profile: Profile, layout: MoELayout, counts: dict, copy_threads: int = 24,
@@ -126,13 +132,22 @@ def copy_weights(weights, profile: Profile, layout: MoELayout, counts: dict, cop
     params = {} if params is None else params
 
     def copy(name, source):
+        began = time.monotonic()
         params[name].copy_(source, non_blocking=False)
         if progress is not None:
-            progress.add(source.numel() * source.element_size())
+            progress.add(source.numel() * source.element_size(), time.monotonic() - began)
 
     with ThreadPoolExecutor(copy_threads) as copies:
         futures = []
-        for name, tensor in weights:
+        weights = iter(weights)
+        while True:
+            began = time.monotonic()
+            item = next(weights, None)
+            if progress is not None:
+                progress.waited += time.monotonic() - began
+            if item is None:
+                break
+            name, tensor = item
             if keep is not None and not keep(name):
                 continue
             source = narrowed(name, tensor, profile, layout, counts)
