@@ -4,12 +4,12 @@ free thread helping with the group the loader needs first; `get_tensor` waits fo
 returns a view into its slab.
 
 Bytes adjacent in a source form a run; runs that touch, joined, are a window where they are a 32nd
-of a slab (8 MiB) or more and the page cache holds them whole (checked when the file is opened): their pages mapped
-in place and page-locked (with CUDA), so the GPU copies from the page cache with no read and no copy
-by the CPU, which the loader's own threads need then. The rest of the group fills one slab: each run
-read straight from the disk (O_DIRECT) unless the page cache holds it, at its file offset's place
-within a page, with its first and last pages to itself, as direct reads need; slices spread over
-rows read row by row. Either way a load adds nothing to the page cache.
+of a slab (8 MiB) or more and the page cache holds them whole (checked when the file is opened):
+their pages mapped in place and page-locked (with CUDA), so the GPU copies from the page cache with
+no read and no copy by the CPU, which the loader's own threads need then. The rest of the group
+fills one slab: each run read straight from the disk (O_DIRECT) unless the page cache holds it, at
+its file offset's place within a page, with its first and last pages to itself, as direct reads
+need; slices spread over rows read row by row. Either way a load adds nothing to the page cache.
 
 Reads ahead are admitted in the loaders' order while the budget has room. The file the loader
 consumes now goes beyond it only when files before it hold one slab at most (the loader takes a
