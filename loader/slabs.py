@@ -39,6 +39,11 @@ def _page_lock(address: int, nbytes: int, flags: int = 0):
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {error}")
 
 
+def _page_unlock(address: int | None):
+    if address is not None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
 class HostBuffer:
     """An anonymous map in huge pages (a fault per 2 MiB, not per 4 KiB), page-locked for DMA once
     filled (`pin`): registering it empty would fault it in on one thread."""
@@ -66,9 +71,8 @@ class HostBuffer:
         return len(self.map)
 
     def close(self):
-        if self.pinned_at is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.pinned_at)
-            self.pinned_at = None
+        _page_unlock(self.pinned_at)
+        self.pinned_at = None
         self.map.close()
 
 
@@ -107,9 +111,8 @@ class FileWindow:
     def close(self):
         if self.address is None:
             return
-        if self.pinned_at is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.pinned_at)
-            self.pinned_at = None
+        _page_unlock(self.pinned_at)
+        self.pinned_at = None
         unmap_pages(self.address, self.nbytes)
         self.address = None
 
@@ -171,13 +174,16 @@ class SlabPool:
         window the kernel will not page-lock stays pageable (copies from it are slower, not
         wrong), and later groups are read into host buffers (`windows_pinnable`)."""
         window = FileWindow(source, begin, end)
-        try:
-            window.pin() if self.pin else window.populate()
-        except RuntimeError as exc:
-            if self.windows_pinnable:
-                log.warning("rankfs hook: %s: page-cache pages cannot be page-locked (%s); reading into "
-                            "pinned buffers instead", source.path, exc)
-            self.windows_pinnable = False
+        if not self.pin:
+            window.populate()
+        else:
+            try:
+                window.pin()
+            except RuntimeError as exc:
+                if self.windows_pinnable:
+                    log.warning("rankfs hook: %s: page-cache pages cannot be page-locked (%s); reading "
+                                "into pinned buffers instead", source.path, exc)
+                self.windows_pinnable = False
         with self._lock:
             self.stats.windows += 1
             self.stats.window_bytes += len(window)
