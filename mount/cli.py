@@ -73,6 +73,17 @@ def _gib(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def parser():
     import argparse
     p = argparse.ArgumentParser(
@@ -91,10 +102,10 @@ def parser():
     _layout_flags(q, one_rank=True)
     g = q.add_argument_group("serving")
     g.add_argument("--inflight-gb", type=_gib, metavar="GIB",
-                   help="memory the daemon may hold for read-ahead, in GiB (default: 1, or an eighth "
-                        "of the available memory when that is under 8 GiB, at least 0.25)")
-    g.add_argument("--workers", type=int, default=8, metavar="N", help="source reads in flight at once (default: 8)")
-    g.add_argument("--readahead-mb", type=int, default=16, metavar="MIB",
+                   help="memory the daemon may hold for read-ahead, in GiB (default: 4, or an eighth "
+                        "of the available memory when that is under 32 GiB, at least 0.25)")
+    g.add_argument("--workers", type=_count, default=8, metavar="N", help="source reads in flight at once (default: 8)")
+    g.add_argument("--readahead-mb", type=_count, default=16, metavar="MIB",
                    help="the mount's kernel readahead, in MiB (default: 16)")
     _switch(g, "--direct-io",
             help="read the sources with O_DIRECT into buffers (default: from maps of the sources, "
@@ -102,6 +113,8 @@ def parser():
     _switch(g, "--no-push", dest="push", action="store_false",
             help="answer every read on the FUSE thread instead of pushing read-ahead into the page "
                  "cache from threads of its own (default: push; this is for comparison)")
+    g.add_argument("--push-threads", type=_count, default=4, metavar="N",
+                   help="threads pushing read-ahead into the views' page cache (default: 4)")
     _switch(g, "--allow-other",
             help="let other users read the mount and write its control file (same as -o "
                  "allow_other; needs user_allow_other in /etc/fuse.conf for non-root users)")
@@ -191,7 +204,8 @@ def cmd_mount(args) -> int:
     config = MountConfig(
         checkpoint=os.path.abspath(args.checkpoint), mountpoint=mountpoint, specs=_specs(args),
         budget_bytes=budget, profile=args.profile, workers=args.workers, direct_io=args.direct_io,
-        push=args.push, readahead_kb=args.readahead_mb * 1024, allow_other=allow_other,
+        push=args.push, push_threads=args.push_threads, readahead_kb=args.readahead_mb * 1024,
+        allow_other=allow_other,
         allow_outside_symlinks=args.allow_outside_symlinks,
         fuse_options=tuple(o for o in options if o != "allow_other"), debug_fuse=args.debug_fuse,
         log_file=log_file)

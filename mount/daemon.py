@@ -128,7 +128,7 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
             if self.config.push:
-                nursery.start_soon(push_prefetched, self.engine)
+                nursery.start_soon(push_prefetched, self.engine, self.config.push_threads)
             nursery.start_soon(self._signals, nursery.cancel_scope)
             nursery.start_soon(self._after_start, on_ready)
             await pyfuse3.main(min_tasks=4, max_tasks=64)

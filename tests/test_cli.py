@@ -25,6 +25,9 @@ def test_help_version_and_usage_errors(tmp_path):
     zero = rankfs("mount", "/nonexistent", str(tmp_path), "--tp-size", 1, "--tp-rank", 0, "--inflight-gb", 0,
                   check=False)
     assert zero.returncode == 1 and "more than 0 GiB" in zero.stderr
+    for flag in ("--workers", "--push-threads"):
+        none = rankfs("mount", "/nonexistent", str(tmp_path), "--tp-size", 1, "--tp-rank", 0, flag, 0, check=False)
+        assert none.returncode == 1 and f"{flag}: must be at least 1" in none.stderr
     for command in ("umount", "status", "drop"):  # a path that is not a rankfs mount
         result = rankfs(command, str(tmp_path), check=False)
         assert result.returncode == 32 and result.stderr == f"rankfs: {tmp_path}: not mounted\n"

@@ -23,10 +23,8 @@ from rankfs.reader.engine import ReadEngine
 
 log = logging.getLogger("rankfs.push")
 
-PUSH_THREADS = 2
 
-
-async def push_prefetched(engine: ReadEngine, threads: int = PUSH_THREADS):
+async def push_prefetched(engine: ReadEngine, threads: int):
     """Push what the engine offers until cancelled, `threads` chunks at a time."""
     engine.enable_push()
     async with trio.open_nursery() as nursery:
