@@ -3,11 +3,12 @@ file's tensors is staged by the hook's threads in the loaders' order as the budg
 free thread helping with the group the loader needs first; `get_tensor` waits for its group and
 returns a view into its slab.
 
-Bytes adjacent in a source form a run; runs that touch, joined, are a window where they are a 32nd
-of a slab (8 MiB) or more and the page cache holds them whole (checked when the file is opened):
-their pages mapped in place and page-locked (with CUDA), so the GPU copies from the page cache with
-no read and no copy by the CPU, which the loader's own threads need then. The rest of the group
-fills one slab: each run read straight from the disk (O_DIRECT) unless the page cache holds it, at
+Bytes adjacent in a source form a run; a group's runs that the page cache holds (checked when the
+file is opened), those that touch joined, are windows where those of a 32nd of a slab (8 MiB) or
+more hold three quarters of the group's bytes: their pages mapped in place and page-locked (with
+CUDA), so the GPU copies from the page cache with no read and no copy by the CPU, which the loader's
+own threads need then. The rest (rows of slices, runs not cached, groups not windowed) fills one
+slab per group: each run read straight from the disk (O_DIRECT) unless the page cache holds it, at
 its file offset's place within a page, with its first and last pages to itself, as direct reads
 need; slices spread over rows read row by row. Either way a load adds nothing to the page cache.
 
@@ -196,20 +197,20 @@ class StagedFile(RankfsFile):
             self._hook.wake_readers()  # the next file is now the one the loader consumes
 
     def _plan(self, names: list[str]) -> Staging:
-        """Runs that touch, joined, are windows where they are large and the page cache holds them
-        whole (each page-lock is a driver call that the loader's own CUDA calls wait behind: sliced
-        experts' blocks of a few MB are read instead); the rest is read into a slab."""
+        """A group's runs the page cache holds are windows where, joined, those of a 32nd of a slab
+        or more hold three quarters of the group's bytes: each page-lock is a driver call that the
+        loader's own CUDA calls wait behind (sliced experts' blocks of a few MB are read instead),
+        and a slab for a group's few small tensors would cost a whole buffer to fault in and
+        page-lock. The rest (rows of slices, runs not cached) is read into a slab."""
         runs, offsets, size = self._lay_out(names)
-        if not self._hook.slabs.windows_pinnable:
-            return Staging([], names, runs, offsets, size)
+        spans = join_touching(runs) if self._hook.slabs.windows_pinnable else []
         least = self._hook.settings.slab_bytes // WINDOW_SHARE
-        windows = [span for span in join_touching(runs)
-                   if span.end - span.begin >= least and span.source.resident(span.begin, span.end)]
-        if not windows:
+        cached = [span for span in spans if span.source.resident(span.begin, span.end)]
+        if sum(span.end - span.begin for span in cached if span.end - span.begin >= least) * 4 < size * 3:
             return Staging([], names, runs, offsets, size)
-        windowed = {name for span in windows for name in span.names}
+        windowed = {name for span in cached for name in span.names}
         in_slab = [name for name in names if name not in windowed]
-        return Staging(windows, in_slab, *self._lay_out(in_slab))
+        return Staging(cached, in_slab, *self._lay_out(in_slab))
 
     def _lay_out(self, names: list[str]):
         blocks, rows = [], []
