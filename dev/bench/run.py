@@ -116,9 +116,9 @@ def shape(result: dict, planned: int):
 
 class Bench:
     def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
-                 journal: Path, profiles: Path | None = None):
+                 journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = ()):
         self.checkpoint, self.workdir, self.device, self.peers, self.log = checkpoint, workdir, device, peers, log
-        self.paths, self.journal, self.profiles = paths, journal, profiles
+        self.paths, self.journal, self.profiles, self.mount_args = paths, journal, profiles, mount_args
         self.case_name = ""
 
     def measure(self, label: str, kind: str, args: dict, mode: str, files: list[str],
@@ -154,7 +154,7 @@ class Bench:
                            "ep_size": spec.ep_size, "ep_rank": spec.ep_rank}}
 
     def mounted(self, spec: RankSpec):
-        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size)
+        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size, *self.mount_args)
         return mounted(self.checkpoint, self.workdir / "mnt", *flags, log=self.workdir / "rankfs.log")
 
     def case(self, name: str, modes: list[str]) -> dict:
@@ -273,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--peers", default=",".join(PEERS), help="peers to run (default: all; '' for none)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"rows to run (default: all of {', '.join(PATHS)})")
     p.add_argument("--out", default="bench-results", help="results.json and timeline.png go here")
+    p.add_argument("--mount-args", default="", metavar="ARGS",
+                   help="more 'rankfs mount' arguments for the rows through a view, e.g. '--push-threads 8'")
     p.add_argument("--profile", action="store_true",
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread group")
     args = p.parse_args(argv)
@@ -300,7 +302,7 @@ def main(argv=None) -> int:
             profiles.mkdir(exist_ok=True)
         bench = Bench(source, workdir, args.device, [p for p in args.peers.split(",") if p],
                       set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl",
-                      profiles)
+                      profiles, tuple(args.mount_args.split()))
         try:
             results += [bench.case(name, mode_group) for name in args.cases.split(",")]
         finally:
