@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from rankfs.contract import GIB
 from rankfs.plan.spec import RankSpec
 
-# The loaders read nine files at once and a pushed chunk counts until its first page is read: with
-# 1 GiB most of a warm load went to FUSE requests (8 GB EP2, 2 cores: 3.5 of 4.6 GB, 5-9 s; 4 GiB:
-# 1.7 GB, 4.0 s).
+# The loaders read nine files at once and a pushed chunk counts until its first page is read: a
+# smaller budget leaves most of a warm load to FUSE requests (figures: docs/benchmark.md).
 DEFAULT_BUDGET_BYTES = 4 * GIB
 SMALL_HOST_BUDGET_BYTES = GIB // 4
 
