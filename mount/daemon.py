@@ -112,6 +112,7 @@ class Daemon:
             "demand_loads": stats.demand_loads,
             "prefetch_loads": stats.prefetch_loads,
             "pushed_bytes": stats.pushed_bytes,
+            "pushed_fill_bytes": stats.pushed_fill_bytes,
             "remnant_bytes": stats.remnant_bytes,
             "uncache_pending_bytes": stats.uncache_pending_bytes,
             "memory": self.engine.held.figures(),

@@ -1,7 +1,7 @@
 """A virtual file's bytes as runs: its header, fill outside the rank's slices, and source bytes.
 
-Runs of source bytes carry when the loaders first need each tensor in them (its consumption
-position), so that prefetch follows the loaders' order rather than the file's.
+Runs of source bytes and of fill carry when the loaders first need each tensor in them (its
+consumption position), so that prefetch and pushes follow the loaders' order rather than the file's.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ def tensor_extents(t, order: int) -> Iterator[Extent]:
         return
     rows = t.slice.rows(t.dtype, t.shape)
     if rows.is_block:
-        yield Extent(t.offset, rows.keep_start, "fill", tensor=t.name)
+        yield Extent(t.offset, rows.keep_start, "fill", tensor=t.name, marks=((t.offset, order),))
         yield Extent(t.offset + rows.keep_start, rows.kept_bytes, source_offset=t.source_offset + rows.keep_start,
                      marks=((t.offset + rows.keep_start, order),), **data)
-        yield Extent(t.offset + rows.keep_stop, t.nbytes - rows.keep_stop, "fill", tensor=t.name)
+        yield Extent(t.offset + rows.keep_stop, t.nbytes - rows.keep_stop, "fill", tensor=t.name,
+                     marks=((t.offset + rows.keep_stop, order),))
     else:
         yield Extent(t.offset, t.nbytes, source_offset=t.source_offset, row_bytes=rows.row_bytes,
                      keep_start=rows.keep_start, keep_stop=rows.keep_stop, marks=((t.offset, order),), **data)

@@ -40,6 +40,7 @@ class Stats:
     demand_loads: int = 0
     prefetch_loads: int = 0
     pushed_bytes: int = 0
+    pushed_fill_bytes: int = 0  # fill outside the rank's slices, pushed with no read
     remnant_bytes: int = 0  # read again for what the loader had not read of a chunk let go
     uncache_pending_bytes: int = 0  # served source pages not yet dropped from the page cache
     errors: int = 0

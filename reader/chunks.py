@@ -7,6 +7,7 @@ import bisect
 from typing import TYPE_CHECKING
 
 from rankfs.plan.extents import Extent
+from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.io import PAGE, covering_pages, inner_pages
 
 if TYPE_CHECKING:
@@ -20,11 +21,12 @@ ON_DEMAND_CHUNK_BYTES = 1 << 20
 
 
 class Chunk:
-    """A piece of a data extent, read from its source in one go."""
+    """A piece of a data extent, read from its source in one go; or of a fill extent, never read
+    (only pushed)."""
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
-                 "tensor", "order", "on_demand", "buffer", "backing", "loading", "served", "prefetched",
-                 "stream_pos", "error", "file_id", "head", "tail", "file")
+                 "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "served", "requested",
+                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # offset in the virtual file
@@ -36,10 +38,12 @@ class Chunk:
         self.tensor = extent.tensor
         self.order = extent.order_of(start, start + length)
         self.on_demand = extent.on_demand
+        self.fill = extent.kind == "fill"
         self.buffer: memoryview | None = None  # its bytes, while loaded
         self.backing: Backing | None = None  # the memory `buffer` lies in
         self.loading: trio.Event | None = None
         self.served = 0  # bytes handed to the kernel
+        self.requested = False  # a loader has read some of it (not only pushes)
         self.prefetched = -1  # the prefetch pass that last read it
         self.stream_pos = -1  # position in its file's stream
         self.file: FileStream | None = None
@@ -66,15 +70,33 @@ class Chunk:
             return memoryview(self.tail)[lo - tail_start:hi - tail_start]
         return None
 
+    @property
+    def passed(self) -> bool:
+        """A loader is past it: it read some of it, or there is nothing for it to read (fill)."""
+        return self.requested or self.fill
+
     def push_range(self) -> tuple[int, int]:
-        """The whole pages a push stores: all but the first page and the partial ones."""
+        """The whole pages a push stores: all but the partial ones and, of source bytes, the first
+        (the loader's read of it tells the engine the chunk is being consumed)."""
         start, end = inner_pages(self.start, self.end)
-        return start + PAGE, end
+        return (start if self.fill else start + PAGE), end
 
     def read_span(self, direct_io: bool) -> tuple[int, int]:
         """[begin, end) in its source of one read of it: O_DIRECT widens it to whole pages."""
         begin, end = self.source_offset, self.source_offset + self.length
         return covering_pages(begin, end) if direct_io else (begin, end)
+
+
+class Fill:
+    """A read-only run of FILL_BYTE, grown on demand, shared by every reply and push of fill."""
+
+    def __init__(self):
+        self._bytes = b""
+
+    def take(self, n: int) -> memoryview:
+        if len(self._bytes) < n:
+            self._bytes = bytes([FILL_BYTE]) * max(n, CHUNK_BYTES)
+        return memoryview(self._bytes)[:n]
 
 
 def split_extent(extent: Extent, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:

@@ -9,7 +9,8 @@ Prefetched chunks well ahead of the loader are offered on `pushable` to whoever 
 kernel's page cache (the serving layer's pusher); a pushed chunk keeps only its edges, the bytes
 outside whole pages and its first page. That first page is left out on purpose: the loader's read of
 it is the signal that the chunk is being consumed, which is when its bytes stop counting against the
-budget.
+budget. Chunks of fill (outside a rank's slices) are offered as the prefetch passes them: nothing
+to read, nothing held.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import trio
 from rankfs.contract import Source
 from rankfs.reader.budget import Stats
 from rankfs.reader.buffers import Backing
-from rankfs.reader.chunks import CHUNK_BYTES, Chunk
+from rankfs.reader.chunks import CHUNK_BYTES, Chunk, Fill
 from rankfs.reader.holdings import DEMAND_SLACK, Holdings
 from rankfs.reader.loading import BackingError, SourceReader
 from rankfs.reader.schedule import FileStream, ViewStream
 
 log = logging.getLogger("rankfs.reader")
 
-# Chunks this close after the loader's furthest read are about to be read: they are answered from
+# Chunks this close after the loader's frontier are about to be read: they are answered from
 # memory, not pushed (a push would wait on the page locks of those reads).
 PUSH_GAP_CHUNKS = 4
 # A pushed chunk whose first page was never read (evicted, or skipped) stops counting against the
@@ -50,11 +51,15 @@ class ReadEngine:
         self.views: dict[str, ViewStream] = {}
         self._reader = SourceReader(sources, direct_io)
         self._limiter = trio.CapacityLimiter(workers)
+        # Read-ahead takes at most the workers' number of reads at once, so that a read the loader
+        # waits on queues behind one of them at most, not behind the whole budget's worth.
+        self._prefetching = trio.Semaphore(workers)
         self.held = Holdings(budget_bytes, self._reader, direct_io, self.stats)
         self.budget = self.held.budget
         self._nursery: trio.Nursery | None = None
         self._pushable_send, self.pushable = trio.open_memory_channel(math.inf)
         self._pushing = False
+        self.fill = Fill()
         self.drops = 0  # a push begun before a drop must not leave its pages behind after it
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -89,9 +94,6 @@ class ReadEngine:
         file = chunk.file
         if file is not None:
             self._note_reading(file)
-        if file is not None and chunk.stream_pos > file.frontier:
-            file.frontier = chunk.stream_pos
-            self._release_passed(file)
         if chunk.buffer is None:
             edge = chunk.edge(lo, hi)
             if edge is not None:
@@ -103,8 +105,6 @@ class ReadEngine:
                     return remnant
             if chunk.loading is None:
                 self.stats.demand_loads += 1
-                if file is not None:
-                    self._follow_demand(file, chunk)
                 self.held.free(chunk)  # pushed, and its pages since evicted: read it anew
                 self.held.make_room(chunk)
                 chunk.loading = trio.Event()
@@ -137,7 +137,16 @@ class ReadEngine:
         return memoryview(mapped), self.held.map_range(chunk.source, begin, begin + hi - lo)
 
     def served(self, chunk: Chunk, nbytes: int):
-        """Account bytes handed to the kernel; a chunk served whole is freed."""
+        """Account bytes a loader's read was answered with."""
+        chunk.requested = True
+        if chunk.file is not None:
+            chunk.file.served += nbytes
+            if chunk.file.advance():
+                self._release_passed(chunk.file)
+        self._handed(chunk, nbytes)
+
+    def _handed(self, chunk: Chunk, nbytes: int):
+        """Account bytes handed to the kernel (read or pushed); a chunk handed whole is freed."""
         chunk.served += nbytes
         if chunk.file is not None:
             chunk.file.view.served_bytes += nbytes
@@ -153,14 +162,27 @@ class ReadEngine:
     def push_range(self, chunk: Chunk) -> tuple[int, int] | None:
         """What to push of an offered chunk now, or None: it was read meanwhile, the loader is about
         to read it, or too little of it lies on whole pages."""
-        if chunk.buffer is None or chunk.served or chunk.stream_pos <= chunk.file.frontier + PUSH_GAP_CHUNKS:
+        if chunk.stream_pos <= chunk.file.frontier + PUSH_GAP_CHUNKS:
+            return None
+        if not chunk.fill and (chunk.buffer is None or chunk.requested):
             return None
         start, end = chunk.push_range()
         return (start, end) if end - start >= MIN_PUSH_BYTES else None
 
-    def pushed(self, chunk: Chunk, backing: Backing, start: int, end: int):
+    def push_memory(self, chunk: Chunk, start: int, end: int) -> tuple[memoryview, Backing | None]:
+        """Bytes [start, end) of an offered chunk to push, and the backing they lie in (owned by the
+        caller until the push returns): fill is memory nobody owns."""
+        if chunk.fill:
+            return self.fill.take(end - start), None
+        chunk.backing.own()
+        return chunk.buffer[start - chunk.start:end - chunk.start], chunk.backing
+
+    def pushed(self, chunk: Chunk, backing: Backing | None, start: int, end: int):
         """[start, end) of the chunk, pushed from `backing`, is in the kernel's page cache: keep only
         the edges. The chunk still counts against the budget until the loader reads its first page."""
+        if chunk.fill:
+            self.stats.pushed_fill_bytes += end - start
+            return
         if chunk.backing is not backing:
             return  # freed while it was being pushed (and maybe loaded again since)
         a, b = start - chunk.start, end - chunk.start
@@ -170,7 +192,7 @@ class ReadEngine:
         chunk.backing = None
         self.held.pushed[id(chunk)] = chunk
         self.stats.pushed_bytes += end - start
-        self.served(chunk, end - start)
+        self._handed(chunk, end - start)
 
     def _release_passed(self, file: FileStream):
         # Pushed chunks far behind the loader whose first page it never asked for (their pages were
@@ -197,7 +219,8 @@ class ReadEngine:
         a dtype) start nothing, nor does opening a file; nor reads of a view an engine hook loads."""
         view = file.view
         file.reading = view.active = True
-        if not view.running and not view.hooked and view.served_bytes >= PREFETCH_AFTER_BYTES:
+        if (not view.running and not view.hooked and view.served_bytes >= PREFETCH_AFTER_BYTES
+                and not view.prefetched()):
             view.running, view.passes = True, view.passes + 1
             self._nursery.start_soon(self._prefetch, view)
 
@@ -212,24 +235,23 @@ class ReadEngine:
         for chunk in [c for c in self.held.loaded.values() if c.file is not None and c.file.view is view]:
             self.held.free(chunk)
 
-    def _follow_demand(self, file: FileStream, chunk: Chunk):
-        # A loader far ahead of the prefetcher: skip to where it reads rather than fill the budget
-        # with bytes it has passed.
-        window = max(1, self.budget.limit // CHUNK_BYTES // max(1, file.handles))
-        if chunk.stream_pos - file.cursor > window:
-            file.cursor = chunk.stream_pos + 1
-
     async def _prefetch(self, view: ViewStream):
         this_pass = view.passes
         try:
             while view.passes == this_pass:
                 await self.budget.wait_for_room(CHUNK_BYTES)
+                # Chosen once a read can start: files' consumption may have changed meanwhile.
+                await self._prefetching.acquire()
                 chunk = view.next_chunk() if view.passes == this_pass else None
-                if chunk is None:
-                    return
-                if (chunk.buffer is not None or chunk.loading is not None or chunk.served
-                        or chunk.prefetched == view.passes):
-                    continue  # in memory, being read, or already read by the loader
+                if chunk is None or chunk.fill or chunk.prefetched == view.passes or chunk.requested \
+                        or chunk.buffer is not None or chunk.loading is not None:
+                    self._prefetching.release()
+                    if chunk is None:
+                        return
+                    if chunk.fill and chunk.prefetched != view.passes and self._pushing:
+                        chunk.prefetched = view.passes
+                        self._pushable_send.send_nowait(chunk)  # nothing to read: pushed at once
+                    continue  # else read this pass, read by the loader, in memory or being read
                 chunk.prefetched = view.passes
                 self.stats.prefetch_loads += 1
                 self.budget.reserve(self.held.cost(chunk))
@@ -269,6 +291,8 @@ class ReadEngine:
         finally:
             event, chunk.loading = chunk.loading, None
             event.set()
+            if prefetched:
+                self._prefetching.release()
 
     def _read_chunk(self, chunk: Chunk, buffer):
         """Runs in a worker thread: the chunk's range of its source's map, resident; or a read into

@@ -5,24 +5,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rankfs.reader.chunks import Chunk
+from rankfs.reader.chunks import CHUNK_BYTES, Chunk
+
+# More than the kernel reads around a header at the default readahead (16 MiB): a file that served
+# this much is being consumed.
+CONSUMING_BYTES = 3 * CHUNK_BYTES
 
 
 @dataclass
 class FileStream:
     """One virtual file's prefetchable chunks in the loaders' consumption order. Loaders read
     several files at once (SGLang's iterator eight), each in its own order, so each file has its
-    own prefetch cursor and its own frontier: the furthest position the loader has read."""
+    own prefetch cursor and its own frontier: the loader has read every chunk before it, at least
+    in part (fill needs no reading). Not the furthest position read: the kernel reads around each
+    tensor's first page as safetensors lists them, chunks the loaders need last among them."""
 
     view: "ViewStream"
     chunks: list[Chunk]
     cursor: int = 0
-    frontier: int = -1
+    frontier: int = 0
     handles: int = 0  # open file handles
-    reading: bool = False  # read since it was opened: a loader is consuming it
+    reading: bool = False  # read since it was opened
+    served: int = 0  # source bytes read by a loader since then
 
     def lead(self) -> int:
         return self.cursor - self.frontier
+
+    def advance(self) -> bool:
+        """Move the frontier past the chunks a loader has read; whether it moved."""
+        start = self.frontier
+        while self.frontier < len(self.chunks) and self.chunks[self.frontier].passed:
+            self.frontier += 1
+        return self.frontier != start
+
+    @property
+    def consuming(self) -> bool:
+        """A loader reads its tensors, not only the header and the kernel's read-around."""
+        return self.reading and self.served >= CONSUMING_BYTES
 
 
 @dataclass
@@ -40,8 +59,8 @@ class ViewStream:
 
     @classmethod
     def of(cls, name: str, files_chunks: list[list[Chunk]]) -> "ViewStream":
-        """A view's stream from its files' chunks, files in the view's order. On-demand chunks (row
-        stores) are left to demand reads."""
+        """A view's stream from its files' chunks (of source bytes and of fill), files in the view's
+        order. On-demand chunks (row stores) are left to demand reads."""
         stream = cls(name)
         for chunks in files_chunks:
             prefetchable = sorted((c for c in chunks if not c.on_demand), key=lambda c: c.order)
@@ -49,24 +68,32 @@ class ViewStream:
             for pos, chunk in enumerate(prefetchable):
                 chunk.stream_pos, chunk.file = pos, file
             stream.files.append(file)
-            stream.planned_bytes += sum(c.length for c in prefetchable)
+            stream.planned_bytes += sum(c.length for c in prefetchable if not c.fill)
         return stream
 
     def next_chunk(self) -> Chunk | None:
-        """What to prefetch next: in the open file the prefetcher is least ahead in, else in the
-        first file not read yet (loaders that open one file at a time)."""
-        being_read = [f for f in self.files if f.reading and f.cursor < len(f.chunks)]
-        candidates = being_read or [f for f in self.files if f.cursor < len(f.chunks)][:1]
+        """What to prefetch next: in the file being consumed that the prefetcher is least ahead in
+        (several, for loaders that read files in parallel), else in the first file not prefetched
+        to its end. SGLang opens nine files at once but consumes them one after the other: spread
+        over the nine, the prefetch would be a ninth as far ahead in the one it waits on."""
+        for file in self.files:  # nothing to read ahead where the loader has been
+            file.cursor = max(file.cursor, file.frontier)
+        consuming = [f for f in self.files if f.consuming and f.cursor < len(f.chunks)]
+        candidates = consuming or [f for f in self.files if f.cursor < len(f.chunks)][:1]
         if not candidates:
             return None
         file = min(candidates, key=FileStream.lead)
         file.cursor += 1
         return file.chunks[file.cursor - 1]
 
+    def prefetched(self) -> bool:
+        """Whether every file was prefetched, or read, to its end."""
+        return all(max(f.cursor, f.frontier) >= len(f.chunks) for f in self.files)
+
     def restart(self):
         """A view read again after a drop (another engine, a restart) is prefetched from its start."""
         self.running, self.passes = False, self.passes + 1  # ends the pass under way
         for file in self.files:
-            file.cursor, file.frontier, file.reading = 0, -1, False
+            file.cursor, file.frontier, file.reading, file.served = 0, 0, False, 0
             for chunk in file.chunks:
-                chunk.served = 0
+                chunk.served, chunk.requested = 0, False

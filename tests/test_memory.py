@@ -1,8 +1,11 @@
 """Memory is a budget: the daemon's peak RSS stays under the budget plus 256 MiB while serving a
-checkpoint several times larger, and after `rankfs drop` the views hold no page cache."""
+checkpoint several times larger, what it pushes into the page cache reads as what it serves, and
+after `rankfs drop` the views hold no page cache."""
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import time
 
 import pytest
@@ -63,6 +66,27 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
     # daemon let them pass keep their first page (it read 5-23 % more when they did not)
     assert planned <= status["read_bytes"] < 1.02 * planned
     assert peak < budget + 256 * MIB, f"daemon peak RSS {peak / MIB:.0f} MiB"
+
+
+def mapped_digests(directory) -> dict[str, str]:
+    """Each shard's digest, read through a map in file order (page faults, as mmap loaders read)."""
+    digests = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            digests[shard.name] = hashlib.sha256(mapped).hexdigest()
+    return digests
+
+
+def test_pushed_views_read_as_served(large_checkpoint, mount_dir):
+    """Pushed into the page cache ahead of the reader (source bytes, and the fill outside the
+    slices), a sliced view maps to the very bytes a mount that pushes nothing answers."""
+    flags = ("--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 128 * MIB / (1 << 30))
+    with mounted(large_checkpoint, mount_dir, *flags):
+        pushed = mapped_digests(mount_dir / "target")
+        status = contract.read_status(str(mount_dir))
+    assert status["pushed_bytes"] > 0 and status["pushed_fill_bytes"] > 0
+    with mounted(large_checkpoint, mount_dir, *flags, "--no-push"):
+        assert mapped_digests(mount_dir / "target") == pushed
 
 
 def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):

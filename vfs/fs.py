@@ -19,25 +19,12 @@ from typing import Awaitable, Callable
 import pyfuse3
 import trio
 
-from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.engine import BackingError, ReadEngine
 from rankfs.vfs.tree import Content, Node, Tree, memory_content
 
 log = logging.getLogger("rankfs.fs")
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
-
-
-class _Fill:
-    """A read-only run of FILL_BYTE, grown on demand, shared by every reply."""
-
-    def __init__(self):
-        self._bytes = b""
-
-    def take(self, n: int) -> memoryview:
-        if len(self._bytes) < n:
-            self._bytes = bytes([FILL_BYTE]) * max(n, 1 << 20)
-        return memoryview(self._bytes)[:n]
 
 
 class RankFS(pyfuse3.Operations):
@@ -48,7 +35,6 @@ class RankFS(pyfuse3.Operations):
         self.command = command  # carries out a control-file command written by process `pid`
         self._handles: dict[int, Content | int] = {}  # fh -> its file, or the writer's pid (control)
         self._next_fh = 1
-        self._fill = _Fill()
         self.requests = 0  # reads answered, and their bytes: the average tells the request size
         self.request_bytes = 0
         self.fill_bytes = 0  # of them, bytes outside a rank's slices: read-around, not the loader
@@ -166,7 +152,7 @@ class RankFS(pyfuse3.Operations):
                 if extent.kind == "header":
                     pieces.append(memoryview(content.memory)[lo:hi])
                 elif extent.kind == "fill":
-                    pieces.append(self._fill.take(hi - lo))
+                    pieces.append(self.engine.fill.take(hi - lo))
                     self.fill_bytes += hi - lo
                 elif extent.kind == "shared":
                     log.error("%s: EIO: this is the view shared by the local ranks; load it through "

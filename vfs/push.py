@@ -4,10 +4,11 @@ Every FUSE reply is copied on the one event-loop thread. `notify_store` copies f
 own, so the loader then finds the bytes in page cache and reads them at the kernel's speed with no
 request at all. Only chunks the read engine offers are pushed: whole pages of a chunk well ahead of
 the loader, whose first page stays unpushed so that the loader's read of it tells the engine the chunk
-is being consumed.
+is being consumed; and the fill outside the rank's slices, which the kernel's read-around would
+otherwise ask for (it costs no read).
 
 A push waits for the locks of pages a pending read holds; those reads are answered from the chunk's
-memory, which the push never waits for, so the two cannot deadlock. The push owns that memory until
+memory (or the fill's), which the push never waits for, so the two cannot deadlock. The push owns that memory until
 `notify_store` returns.
 """
 
@@ -38,17 +39,15 @@ async def _push_offered(engine: ReadEngine, offers: trio.MemoryReceiveChannel):
         if span is None:
             continue
         start, end = span
-        backing = chunk.backing
-        backing.own()
+        data, backing = engine.push_memory(chunk, start, end)
         drops = engine.drops
         try:
             # The thread may be left behind on cancellation: a push blocked on a page lock ends when
             # the unmount aborts the reads holding it.
-            stored = await trio.to_thread.run_sync(_store, chunk.file_id, start,
-                                                   chunk.buffer[start - chunk.start:end - chunk.start],
-                                                   abandon_on_cancel=True)
+            stored = await trio.to_thread.run_sync(_store, chunk.file_id, start, data, abandon_on_cancel=True)
         finally:
-            backing.done()
+            if backing is not None:
+                backing.done()
         if drops != engine.drops:  # `rankfs drop` ran meanwhile: what this push stored must go too
             await trio.to_thread.run_sync(pyfuse3.invalidate_inode, chunk.file_id, False)
         elif stored:

@@ -25,7 +25,7 @@ from rankfs import contract
 from rankfs.plan.checkpoint import INDEX_NAME
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import RankLayout, View, index_json, sources_json
-from rankfs.reader.chunks import ChunkRun, overlapping
+from rankfs.reader.chunks import ChunkRun, overlapping, split_extent
 from rankfs.reader.engine import ReadEngine
 from rankfs.reader.schedule import FileStream
 
@@ -61,17 +61,19 @@ class LazyView:
 
     def content(self, position: int) -> Content:
         if self._contents is None:
-            self._contents = []
+            self._contents, files_chunks = [], []
             for vfile, inode in zip(self.view.files, self.inodes):
                 extents = vfile.extents()
                 runs = {e.offset: ChunkRun(e) for e in extents if e.kind == "data"}
-                for run in runs.values():
-                    for chunk in run.chunks:
-                        chunk.file_id = inode
+                # Fill is served from memory, never from chunks; its chunks are only pushed.
+                chunks = [c for run in runs.values() for c in run.chunks]
+                chunks += [c for e in extents if e.kind == "fill" for c in split_extent(e)]
+                for chunk in chunks:
+                    chunk.file_id = inode
                 self._contents.append(Content(vfile.size, extents, vfile.header, runs,
                                                path=f"{self.directory}/{vfile.name}"))
-            streams = self.engine.add_view(self.directory, [
-                [c for run in content.runs.values() for c in run.chunks] for content in self._contents])
+                files_chunks.append(chunks)
+            streams = self.engine.add_view(self.directory, files_chunks)
             for content, stream in zip(self._contents, streams):
                 content.stream = stream
         return self._contents[position]

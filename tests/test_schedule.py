@@ -1,0 +1,65 @@
+"""The prefetch order: the file the loader consumes first, all of it, then the next ones; several
+files side by side only when a loader reads them side by side. The frontier follows what the loader
+read in order, not the furthest chunk the kernel's read-around touched."""
+
+from __future__ import annotations
+
+from rankfs.plan.extents import Extent
+from rankfs.reader.chunks import CHUNK_BYTES, Chunk
+from rankfs.reader.schedule import CONSUMING_BYTES, ViewStream
+
+CHUNKS = 6
+
+
+def view_of(files: int) -> ViewStream:
+    """A view of `files` files, each CHUNKS chunks of source bytes, consumed in file order."""
+    return ViewStream.of("target", [
+        [Chunk(Extent(0, CHUNKS * CHUNK_BYTES, "data", source=f, marks=((0, f * CHUNKS),)), i * CHUNK_BYTES, CHUNK_BYTES)
+         for i in range(CHUNKS)] for f in range(files)])
+
+
+def read(view: ViewStream, file: int, position: int):
+    """A loader's read of a chunk, as the engine accounts it."""
+    stream = view.files[file]
+    chunk = stream.chunks[position]
+    chunk.requested = True
+    stream.reading = True
+    stream.served += chunk.length
+    stream.advance()
+
+
+def order(view: ViewStream, n: int) -> list[tuple[int, int]]:
+    picked = [view.next_chunk() for _ in range(n)]
+    return [(c.source, c.stream_pos) for c in picked]
+
+
+def test_open_files_whose_headers_alone_were_read_do_not_split_the_prefetch():
+    view = view_of(3)
+    for stream in view.files:  # a loader opened all three: headers and read-around only
+        stream.reading = True
+        stream.served = CONSUMING_BYTES - 1
+    read(view, 0, 0)
+    read(view, 0, 1)
+    assert view.files[0].consuming and not view.files[1].consuming
+    assert order(view, 6) == [(0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 1)]
+
+
+def test_files_read_side_by_side_are_prefetched_side_by_side():
+    view = view_of(2)
+    for f in range(2):
+        for position in range(3):
+            read(view, f, position)
+    assert order(view, 4) == [(0, 3), (1, 3), (0, 4), (1, 4)]
+
+
+def test_the_frontier_ignores_chunks_read_out_of_order():
+    view = view_of(1)
+    stream = view.files[0]
+    read(view, 0, 4)  # the kernel read around a tensor's first page: a chunk needed last
+    assert stream.frontier == 0 and order(view, 1) == [(0, 0)]
+    read(view, 0, 0)
+    read(view, 0, 1)
+    assert stream.frontier == 2  # 2 and 3 are still to come; 4 was read
+    read(view, 0, 2)
+    read(view, 0, 3)
+    assert stream.frontier == 5 and view.next_chunk().stream_pos == 5 and view.prefetched()
