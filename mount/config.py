@@ -26,7 +26,7 @@ class MountConfig:
     workers: int = 8  # parallel backing reads
     direct_io: bool = False
     push: bool = True
-    push_threads: int = 4  # notify_store calls at once (the kernel's store rate peaks near 4)
+    push_threads: int = 8  # notify_store calls at once: one file's store rate peaks near 4, loaders read nine
     readahead_kb: int = 16384
     max_background: int = 64
     congestion_threshold: int = 48

@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default=",".join(PATHS), help=f"rows to run (default: all of {', '.join(PATHS)})")
     p.add_argument("--out", default="bench-results", help="results.json and timeline.png go here")
     p.add_argument("--mount-args", default="", metavar="ARGS",
-                   help="more 'rankfs mount' arguments for the rows through a view, e.g. '--push-threads 8'")
+                   help="more 'rankfs mount' arguments for the rows through a view, e.g. '--push-threads 4'")
     p.add_argument("--profile", action="store_true",
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread group")
     args = p.parse_args(argv)
