@@ -74,8 +74,8 @@ class ViewStream:
     def next_chunk(self) -> Chunk | None:
         """What to prefetch next: in the file being consumed that the prefetcher is least ahead in
         (several, for loaders that read files in parallel), else in the first file not prefetched
-        to its end. SGLang opens nine files at once but consumes them one after the other: spread
-        over the nine, the prefetch would be a ninth as far ahead in the one it waits on."""
+        to its end. A file whose header alone was read (opened ahead of its turn) is not being
+        consumed: it would take its share of the read-ahead from the one that is."""
         for file in self.files:  # nothing to read ahead where the loader has been
             file.cursor = max(file.cursor, file.frontier)
         consuming = [f for f in self.files if f.consuming and f.cursor < len(f.chunks)]

@@ -13,9 +13,9 @@ CHUNKS = 6
 
 def view_of(files: int) -> ViewStream:
     """A view of `files` files, each CHUNKS chunks of source bytes, consumed in file order."""
-    return ViewStream.of("target", [
-        [Chunk(Extent(0, CHUNKS * CHUNK_BYTES, "data", source=f, marks=((0, f * CHUNKS),)), i * CHUNK_BYTES, CHUNK_BYTES)
-         for i in range(CHUNKS)] for f in range(files)])
+    extents = [Extent(0, CHUNKS * CHUNK_BYTES, "data", source=f, marks=((0, f * CHUNKS),)) for f in range(files)]
+    return ViewStream.of("target", [[Chunk(extent, i * CHUNK_BYTES, CHUNK_BYTES) for i in range(CHUNKS)]
+                                    for extent in extents])
 
 
 def read(view: ViewStream, file: int, position: int):

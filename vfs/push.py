@@ -8,8 +8,8 @@ is being consumed; and the fill outside the rank's slices, which the kernel's re
 otherwise ask for (it costs no read).
 
 A push waits for the locks of pages a pending read holds; those reads are answered from the chunk's
-memory (or the fill's), which the push never waits for, so the two cannot deadlock. The push owns that memory until
-`notify_store` returns.
+memory (or the fill's), which the push never waits for, so the two cannot deadlock. The push owns
+that memory until `notify_store` returns.
 """
 
 from __future__ import annotations
