@@ -32,10 +32,12 @@ class FileStream:
         return self.cursor - self.frontier
 
     def advance(self) -> bool:
-        """Move the frontier past the chunks a loader has read; whether it moved."""
+        """Move the frontier past the chunks a loader has read, and the cursor with it (nothing to
+        read ahead where the loader has been); whether it moved."""
         start = self.frontier
         while self.frontier < len(self.chunks) and self.chunks[self.frontier].passed:
             self.frontier += 1
+        self.cursor = max(self.cursor, self.frontier)
         return self.frontier != start
 
     @property
@@ -76,8 +78,6 @@ class ViewStream:
         (several, for loaders that read files in parallel), else in the first file not prefetched
         to its end. A file whose header alone was read (opened ahead of its turn) is not being
         consumed: it would take its share of the read-ahead from the one that is."""
-        for file in self.files:  # nothing to read ahead where the loader has been
-            file.cursor = max(file.cursor, file.frontier)
         consuming = [f for f in self.files if f.consuming and f.cursor < len(f.chunks)]
         candidates = consuming or [f for f in self.files if f.cursor < len(f.chunks)][:1]
         if not candidates:
@@ -88,7 +88,7 @@ class ViewStream:
 
     def prefetched(self) -> bool:
         """Whether every file was prefetched, or read, to its end."""
-        return all(max(f.cursor, f.frontier) >= len(f.chunks) for f in self.files)
+        return all(f.cursor >= len(f.chunks) for f in self.files)
 
     def restart(self):
         """A view read again after a drop (another engine, a restart) is prefetched from its start."""

@@ -55,8 +55,8 @@ CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), a
 PEERS = ("instanttensor", "fastsafetensors", "runai")
 PATHS = ("limit", "ceiling", "stock", "rankfs", "hook", "peers", "peers-on-view")
 # What each mount's daemon did for a row (a fresh mount per row): how the bytes reached the loader.
-DAEMON_COUNTERS = ("pushed_bytes", "pushed_fill_bytes", "requests", "request_bytes", "fill_bytes", "demand_loads",
-                   "prefetch_loads")
+DAEMON_COUNTERS = ("read_bytes", "pushed_bytes", "pushed_fill_bytes", "requests", "request_bytes", "fill_bytes",
+                   "demand_loads", "prefetch_loads")
 # InstantTensor's configurations: its default, and its best for the mode (its own guidance).
 INSTANTTENSOR_BEST = {"cold": None, "warm": "URING_BUFFERED", "tmpfs": "MMAP"}
 
@@ -143,7 +143,6 @@ class Bench:
         if mountpoint is not None:
             status = contract.read_status(str(mountpoint))
             result["daemon_peak_rss"] = vm_hwm(status["pid"])
-            result["daemon_read_bytes"] = status["read_bytes"]
             result["daemon"] = {key: status[key] for key in DAEMON_COUNTERS}
         self.log(f"  {mode:<5} {label:<36} {result.get('seconds', float('nan')):7.2f} s"
                  + (f"  ERROR {result['error']}" if "error" in result else ""))
