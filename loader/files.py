@@ -136,7 +136,7 @@ class RankfsFile:
         return begin, self.resident_bytes(name)
 
     def count_loaded(self, nbytes: int):
-        """Tell the daemon a tensor is loaded, by the bytes the view serves for it (its span)."""
+        """Tell the daemon tensors are loaded, by the bytes the view serves for them (their spans)."""
         if self._progress is not None:
             self._progress.add(nbytes)
 

@@ -20,6 +20,7 @@ import torch
 from rankfs import contract
 from rankfs.loader import memory
 from rankfs.loader.budget import Budget
+from rankfs.loader.device import DeviceSlabs, loading_device
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
 from rankfs.loader.mapped import MappedFile
 from rankfs.loader.ordered import OrderedExecutor
@@ -49,8 +50,12 @@ class Hook:
         # add a copy (RANKFS_HOOK_MAP; by default when there is no CUDA).
         self.map_sources = settings.map_sources == "on" or settings.map_sources == "auto" and not cuda
         self.budget = Budget(settings.budget_bytes)
+        device = None if self.map_sources else loading_device(settings.device)
+        # Host slabs only stage uploads when the loader is handed GPU memory (rankfs.loader.device).
         self.slabs = SlabPool(settings.slab_bytes, self.budget, pin=cuda, wanted=self._slabs_wanted,
-                              retire=self._retire)
+                              retire=self._retire, staging=device is not None)
+        self.on_device = None if device is None else DeviceSlabs(device, settings.slab_bytes, self.budget,
+                                                                 wanted=self._slabs_wanted, retire=self._retire)
         self.link = DaemonLink()
         self.executor: OrderedExecutor | None = None  # reads into slabs
         self.map_executor: OrderedExecutor | None = None  # reads mapped tensors ahead
@@ -140,9 +145,11 @@ class Hook:
             if executor is not None:
                 executor.shutdown()
         gc.collect()
-        leftovers = self.slabs.alive()
+        pools = [self.slabs] + ([self.on_device.pool] if self.on_device else [])
+        leftovers = [slab for pool in pools for slab in pool.alive()]
         clock.step("stop")
-        self.slabs.drop_idle()
+        for pool in pools:
+            pool.drop_idle()
         memory.malloc_trim()
         memory.return_pinned_and_cached()
         clock.step("memory")
@@ -165,9 +172,14 @@ class Hook:
             "mem_available_before": before["memavailable"],
             "pinned": self.slabs.pin,
             "pinned_bytes": self.slabs.pinned_bytes(),
+            "staged_on": "host" if self.on_device is None
+            else str(self.on_device.device) + "+host" * self.on_device.failed,  # host: the device ran out
             "slab_requests": self.slabs.stats.requests, "slabs": self.slabs.stats.slabs,
             "windows": self.slabs.stats.windows, "window_bytes": self.slabs.stats.window_bytes,
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),
+            # Host buffers (page-locked where pinned) and GPU buffers at their most, idle ones included.
+            "peak_host_bytes": self.slabs.stats.peak_bytes,
+            "peak_device_bytes": self.on_device.pool.stats.peak_bytes if self.on_device else 0,
             "torch_host_allocs": memory.host_alloc_count(),
             "release_seconds": clock.total(), "release_steps": clock.steps,
             # MemAvailable lost since the first load began, less what CUDA's allocator grew by where

@@ -4,6 +4,10 @@
                                                    load the stock way, only log the memory figures
     RANKFS_HOOK_MAP         auto | on | off       tensors that view maps of the sources instead of
                                                    pinned slabs (auto: when there is no CUDA)
+    RANKFS_HOOK_DEVICE      auto | cpu | cuda[:N] where staged tensors are handed out: GPU memory (the
+                                                   loader's copies are device to device) or
+                                                   page-locked host memory (cpu); auto: the GPU the
+                                                   engine's parameters are on, when there is CUDA
     RANKFS_HOOK_SLAB_MB     256                    slab size, MiB (rounded down to a power of two)
     RANKFS_HOOK_INFLIGHT_GB 4                      memory read ahead of the loader, GiB
     RANKFS_HOOK_THREADS     8                      read threads
@@ -45,14 +49,22 @@ def _number(name: str, default: str, kind=int, minimum: float = 1):
     return value
 
 
+def _device(name: str, default: str) -> str:
+    value = os.environ.get(name, default)
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or kind == "cuda" and index.isdigit():
+        return value
+    raise SettingError(f"{name} must be auto, cpu, cuda or cuda:N, not {value!r}")
+
+
 class HookSettings:
     """A plain class, not a dataclass: every Python process of the engine imports it at start-up."""
 
-    __slots__ = ("mode", "map_sources", "slab_bytes", "budget_bytes", "threads")
+    __slots__ = ("mode", "map_sources", "device", "slab_bytes", "budget_bytes", "threads")
 
-    def __init__(self, mode: str = "on", map_sources: str = "auto", slab_bytes: int = 256 << 20,
-                 budget_bytes: int = 4 * GIB, threads: int = 8):
-        self.mode, self.map_sources, self.slab_bytes = mode, map_sources, slab_bytes
+    def __init__(self, mode: str = "on", map_sources: str = "auto", device: str = "auto",
+                 slab_bytes: int = 256 << 20, budget_bytes: int = 4 * GIB, threads: int = 8):
+        self.mode, self.map_sources, self.device, self.slab_bytes = mode, map_sources, device, slab_bytes
         self.budget_bytes, self.threads = budget_bytes, threads
 
     @classmethod
@@ -60,6 +72,7 @@ class HookSettings:
         slab_mb = _number("RANKFS_HOOK_SLAB_MB", "256")
         return cls(mode=mode or _choice("RANKFS_HOOK", "on", MODES),
                    map_sources=_choice("RANKFS_HOOK_MAP", "auto", MAP_MODES),
+                   device=_device("RANKFS_HOOK_DEVICE", "auto"),
                    slab_bytes=(1 << (slab_mb.bit_length() - 1)) << 20,
                    budget_bytes=int(_number("RANKFS_HOOK_INFLIGHT_GB", "4", float, minimum=1 / 1024) * GIB),
                    threads=_number("RANKFS_HOOK_THREADS", "8"))

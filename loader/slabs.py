@@ -21,7 +21,7 @@ import mmap
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -44,6 +44,13 @@ def _page_unlock(address: int | None):
         torch.cuda.cudart().cudaHostUnregister(address)
 
 
+def host_view(memory: memoryview, died: Callable[[], None]) -> torch.Tensor:
+    """A uint8 tensor over host memory; died() runs when torch lets go of the memoryview, with the
+    last tensor viewing it."""
+    weakref.finalize(memory, died).atexit = False
+    return torch.frombuffer(memory, dtype=torch.uint8) if len(memory) else torch.empty(0, dtype=torch.uint8)
+
+
 class HostBuffer:
     """An anonymous map in huge pages (a fault per 2 MiB, not per 4 KiB), page-locked for DMA once
     filled (`pin`): registering it empty would fault it in on one thread."""
@@ -55,8 +62,8 @@ class HostBuffer:
         self.map.madvise(mmap.MADV_HUGEPAGE)
         self.pinned_at: int | None = None
 
-    def memory(self) -> memoryview:
-        return memoryview(self.map)
+    def view(self, nbytes: int, died: Callable[[], None]) -> torch.Tensor:
+        return host_view(memoryview(self.map)[:nbytes], died)
 
     def pin(self):
         if self.pinned_at is not None:
@@ -89,8 +96,8 @@ class FileWindow:
         self.nbytes = end - begin
         self.pinned_at: int | None = None
 
-    def memory(self) -> memoryview:
-        return memoryview((ctypes.c_ubyte * self.nbytes).from_address(self.address))
+    def view(self, nbytes: int, died: Callable[[], None]) -> torch.Tensor:
+        return host_view(memoryview((ctypes.c_ubyte * self.nbytes).from_address(self.address))[:nbytes], died)
 
     def pin(self):
         if self.pinned_at is None:
@@ -117,18 +124,37 @@ class FileWindow:
         self.address = None
 
 
-Buffer = HostBuffer | FileWindow
+class Buffer(Protocol):
+    """What a slab's memory is: a HostBuffer, a FileWindow, or a buffer in GPU memory
+    (rankfs.loader.device)."""
+    reusable: bool
+    pinned_at: int | None
+
+    def view(self, nbytes: int, died: Callable[[], None]) -> torch.Tensor: ...
+    def __len__(self) -> int: ...
+    def close(self): ...
+
+
+class Lease:
+    """What a slab's death gives back: budget, and a callback. The GPU slab a host slab is uploaded
+    to takes it over (`take_over`): that one holds the group's bytes for the loader from then on."""
+
+    __slots__ = ("reserved", "on_death")
+
+    def __init__(self, reserved: int = 0, on_death: Callable[[], None] | None = None):
+        self.reserved, self.on_death = reserved, on_death
+
+    def take_over(self, other: "Lease"):
+        self.reserved, self.on_death = other.reserved, other.on_death
+        other.reserved, other.on_death = 0, None
 
 
 class Slab:
-    """A buffer, the tensors placed in it (for the report of leftovers) and a uint8 tensor over it
-    that every tensor handed out views."""
+    """A uint8 tensor that every tensor handed out from a buffer views, its `lease`, and the buffer
+    (None on the GPU; the names are kept by the pool, for the report of leftovers)."""
 
-    def __init__(self, buffer: Buffer, nbytes: int, reserved: int, on_death: Callable[[], None]):
-        self.buffer, self.reserved = buffer, reserved  # reserved: the budget its death releases
-        memory = buffer.memory()[:nbytes]
-        weakref.finalize(memory, on_death).atexit = False
-        self.tensor = torch.frombuffer(memory, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    def __init__(self, tensor: torch.Tensor, lease: Lease, buffer: Buffer | None = None):
+        self.tensor, self.lease, self.buffer = tensor, lease, buffer
 
 
 @dataclass
@@ -138,14 +164,19 @@ class SlabStats:
     windows: int = 0  # of which windows of the page cache
     window_bytes: int = 0
     file_bytes: dict[str, int] = field(default_factory=dict)  # per file: its slabs' buffers, together
+    held_bytes: int = 0  # buffers mapped (or allocated) now: of live slabs, and idle ones
+    peak_bytes: int = 0
 
 
 class SlabPool:
-    def __init__(self, slab_bytes: int, budget: Budget, pin: bool,
-                 wanted: Callable[[], bool] = lambda: True, retire: Callable[[Buffer], None] = lambda buffer: buffer.close()):
+    def __init__(self, slab_bytes: int, budget: Budget, pin: bool, wanted: Callable[[], bool] = lambda: True,
+                 retire: Callable[[Buffer], None] = lambda buffer: buffer.close(),
+                 make: Callable[[int], Buffer] = HostBuffer, staging: bool = False):
         """wanted(): whether more slabs will be asked for (else a dead slab's buffer goes at once);
-        retire(buffer): unpin and unmap it, off the loader's threads where it can."""
-        self.wanted, self.retire = wanted, retire
+        retire(buffer): unpin and unmap it, off the loader's threads where it can; make(nbytes): a
+        new buffer. A staging pool's slabs only pass bytes on to the GPU: its idle buffers fit the
+        budget beside its own live ones, not beside everything the budget holds."""
+        self.wanted, self.retire, self.make, self.staging = wanted, retire, make, staging
         self.slab_bytes = slab_bytes
         self.budget = budget
         self.pin = pin
@@ -153,7 +184,7 @@ class SlabPool:
         self._ids = itertools.count()
         self.windows_pinnable = True  # until the kernel refuses to page-lock a window
         self._live: dict[int, tuple[str, list[str], Buffer]] = {}  # slab id -> (file, tensor names, buffer)
-        self._idle: list[HostBuffer] = []  # buffers of dead slabs, for the next ones
+        self._idle: list[Buffer] = []  # buffers of dead slabs, for the next ones
         self._lock = threading.Lock()
 
     def footprint(self, nbytes: int) -> int:
@@ -161,11 +192,13 @@ class SlabPool:
         the next slab (no new map to fault in and page-lock, nothing to unregister mid-load)."""
         return max(nbytes, self.slab_bytes)
 
-    def allocate(self, nbytes: int, names: list[str], file: str, on_death: Callable[[], None] | None = None) -> Slab:
+    def allocate(self, nbytes: int, names: list[str], file: str, on_death: Callable[[], None] | None = None,
+                 lease: Lease | None = None) -> Slab:
         """A new slab of nbytes; its footprint is reserved already (by the read threads' admission),
-        and released by its death (then on_death() runs too)."""
+        and released by its death (then on_death() runs too), or what `lease` says."""
         size = self.footprint(nbytes)
-        return self._slab(self._reuse(size) or HostBuffer(size), nbytes, size, names, file, on_death)
+        buffer = self._reuse(size) or self._held(self.make(size))
+        return self._slab(buffer, nbytes, size, names, file, lease or Lease(size, on_death))
 
     def window(self, source: OpenFile, begin: int, end: int, names: list[str], file: str,
                on_death: Callable[[], None] | None = None) -> Slab:
@@ -173,7 +206,7 @@ class SlabPool:
         place and page-locked when the pool pins; its end - begin bytes are reserved already. A
         window the kernel will not page-lock stays pageable (copies from it are slower, not
         wrong), and later groups are read into host buffers (`windows_pinnable`)."""
-        window = FileWindow(source, begin, end)
+        window = self._held(FileWindow(source, begin, end))
         if not self.pin:
             window.populate()
         else:
@@ -187,9 +220,15 @@ class SlabPool:
         with self._lock:
             self.stats.windows += 1
             self.stats.window_bytes += len(window)
-        return self._slab(window, len(window), len(window), names, file, on_death)
+        return self._slab(window, len(window), len(window), names, file, Lease(len(window), on_death))
 
-    def _slab(self, buffer: Buffer, nbytes: int, size: int, names: list[str], file: str, on_death) -> Slab:
+    def _held(self, buffer: Buffer, sign: int = 1) -> Buffer:
+        with self._lock:
+            self.stats.held_bytes += sign * len(buffer)
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.held_bytes)
+        return buffer
+
+    def _slab(self, buffer: Buffer, nbytes: int, size: int, names: list[str], file: str, lease: Lease) -> Slab:
         slab_id = next(self._ids)
         with self._lock:
             self._live[slab_id] = (file, names, buffer)
@@ -198,34 +237,35 @@ class SlabPool:
             self.stats.file_bytes[file] = self.stats.file_bytes.get(file, 0) + size
 
         def died():
-            self._died(slab_id, size, buffer)
-            if on_death is not None:
-                on_death()
-        return Slab(buffer, nbytes, size, died)
+            self._died(slab_id, buffer, lease.reserved)
+            if lease.on_death is not None:
+                lease.on_death()
+        return Slab(buffer.view(nbytes, died), lease, buffer)
 
     def filled(self, slab: Slab):
         """A slab's reads are done: page-lock it for DMA when the pool pins."""
         if self.pin:
             slab.buffer.pin()
 
-    def _died(self, slab_id: int, nbytes: int, buffer: Buffer):
-        """The last tensor viewing a slab is gone (any thread, often one of the loader's): a host
+    def _died(self, slab_id: int, buffer: Buffer, reserved: int):
+        """The last tensor viewing a slab is gone (any thread, often one of the loader's): its
         buffer waits for the next slab, unless no more are wanted (the load's last reads are done:
         unmapping now spares the release) or the buffers would hold more than the budget (after a
-        file larger than it); a window goes."""
+        file larger than it); a window goes. `reserved` is released."""
         with self._lock:
             del self._live[slab_id]
-            keep = buffer.reusable and (self.budget.used - nbytes + sum(len(b) for b in self._idle) + len(buffer)
-                                        <= self.budget.limit)
+            held = sum(len(b) for _, _, b in self._live.values()) if self.staging else self.budget.used - reserved
+            keep = buffer.reusable and held + sum(len(b) for b in self._idle) + len(buffer) <= self.budget.limit
         keep = keep and self.wanted()
         if keep:
             with self._lock:
                 self._idle.append(buffer)
         else:
-            self.retire(buffer)
-        self.budget.release(nbytes)
+            self.retire(self._held(buffer, -1))
+        if reserved:
+            self.budget.release(reserved)
 
-    def _reuse(self, nbytes: int) -> HostBuffer | None:
+    def _reuse(self, nbytes: int) -> Buffer | None:
         """An idle buffer that holds nbytes without wasting more than a quarter of it (a slab's: one
         of the slab's size)."""
         with self._lock:
@@ -239,7 +279,7 @@ class SlabPool:
         with self._lock:
             idle, self._idle = self._idle, []
         for buffer in idle:
-            buffer.close()
+            self._held(buffer, -1).close()
 
     def alive(self) -> list[tuple[str, list[str]]]:
         """(file, tensor names) of every slab some tensor still holds."""

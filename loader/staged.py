@@ -1,22 +1,23 @@
 """Tensors staged in slabs (for copies to a GPU: DMA from page-locked memory). Each group of a
 file's tensors is staged by the hook's threads in the loaders' order as the budget has room, every
 free thread helping with the group the loader needs first; `get_tensor` waits for its group and
-returns a view into its slab.
+returns a view into its slab, or into the GPU memory the slab was uploaded to (rankfs.loader.device).
 
-Bytes adjacent in a source form a run; a group's runs that the page cache holds (checked when the
-file is opened), those that touch joined, are windows where those of a 32nd of a slab (8 MiB) or
-more hold three quarters of the group's bytes: their pages mapped in place and page-locked (with
-CUDA), so the GPU copies from the page cache with no read and no copy by the CPU, which the loader's
-own threads need then. The rest (rows of slices, runs not cached, groups not windowed) fills one
-slab per group: each run read straight from the disk (O_DIRECT) unless the page cache holds it, at
-its file offset's place within a page, with its first and last pages to itself, as direct reads
-need; slices spread over rows read row by row. Either way a load adds nothing to the page cache.
+Bytes adjacent in a source form a run. Where slabs are handed out from host memory, a group's runs
+that the page cache holds (checked when the file is opened), those that touch joined, are windows
+where those of a 32nd of a slab (8 MiB) or more hold three quarters of the group's bytes: their
+pages mapped in place and page-locked (with CUDA), so the GPU copies from the page cache with no
+read and no copy by the CPU, which the loader's own threads need then. The rest (rows of slices,
+runs not cached, groups not windowed, every group staged on the GPU) fills one slab per group: each
+run read straight from the disk (O_DIRECT) unless the page cache holds it, at its file offset's
+place within a page, with its first and last pages to itself, as direct reads need; slices spread
+over rows read row by row. Either way a load adds nothing to the page cache.
 
 Reads ahead are admitted in the loaders' order while the budget has room. The file the loader
 consumes now goes beyond it only when files before it hold one slab at most (the loader takes a
 file's tensors all at once before it copies any, and files read ahead wait for this one, so nothing
-would free room): the pinned memory stays within the budget plus a slab, plus that file where it is
-larger than the budget."""
+would free room): the memory handed out stays within the budget plus a slab, plus that file where it
+is larger than the budget."""
 
 from __future__ import annotations
 
@@ -156,6 +157,10 @@ class StagedFile(RankfsFile):
         super().__init__(path, hook, placement)
         self._demanded: set[int] = set()  # groups the loader waits for
         self._handed: list[set[str]] = [set() for _ in self.groups]  # per group: tensors handed out
+        # Worked out once, not on each hand-out: the loader's loop waits for the GIL behind this.
+        self._shapes = {name: (self.resident_bytes(name), self.resident_shape(name)) for group in self.groups
+                        for name in group}
+        self._group_spans = [sum(self.span(name)[1] for name in group) for group in self.groups]
         self._stagings = [self._plan(group) for group in self.groups]
         self._costs = [self._cost(staging) for staging in self._stagings]
         self.slabs_alive = 0
@@ -172,14 +177,15 @@ class StagedFile(RankfsFile):
         self._handed[group].add(name)
         if len(self._handed[group]) == len(self.groups[group]):  # slabs live exactly as long as their tensors
             self._futures[group] = None
+            self.count_loaded(self._group_spans[group])
             if all(len(handed) == len(names) for handed, names in zip(self._handed, self.groups)):
                 self._done_handing_out()
-        self.count_loaded(self.span(name)[1])
         slab, at = placed[name]
-        data = slab.tensor[at:at + self.resident_bytes(name)]
+        nbytes, shape = self._shapes[name]
+        data = slab.tensor[at:at + nbytes]
         if at % dtype.itemsize:  # a tensor not aligned to its type in the file (legal, rare)
             data = data.clone()
-        return data.view(dtype).reshape(self.resident_shape(name))
+        return data.view(dtype).reshape(shape)
 
     def close(self):
         # An unrequested slab would stay alive with its future: drop them all.
@@ -203,7 +209,7 @@ class StagedFile(RankfsFile):
         and a slab for a group's few small tensors would cost a whole buffer to fault in and
         page-lock. The rest (rows of slices, runs not cached) is read into a slab."""
         runs, offsets, size = self._lay_out(names)
-        spans = join_touching(runs) if self._hook.slabs.windows_pinnable else []
+        spans = join_touching(runs) if self._hook.slabs.windows_pinnable and self._hook.on_device is None else []
         least = self._hook.settings.slab_bytes // WINDOW_SHARE
         cached = [span for span in spans if span.source.resident(span.begin, span.end)]
         if sum(span.end - span.begin for span in cached if span.end - span.begin >= least) * 4 < size * 3:
@@ -259,11 +265,21 @@ class StagedFile(RankfsFile):
                          for name in staging.in_slab if self.block(name) is None]
             self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2])))
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
-            self._hook.budget.release(self._costs[group] - sum({id(s): s.reserved for s, _ in placed.values()}.values()))
+            made = {id(s): s.lease.reserved for s, _ in placed.values()}
+            self._hook.budget.release(self._costs[group] - sum(made.values()))
             raise
         if slab is not None:
             self._hook.slabs.filled(slab)
+            if self._hook.on_device is not None:
+                self._upload(slab, staging, placed)
         return placed
+
+    def _upload(self, slab: Slab, staging: Staging, placed: dict[str, tuple[Slab, int]]):
+        """Hand the group's slab out from GPU memory where the hook stages there (the host slab
+        then goes back for the next group)."""
+        on_device = self._hook.on_device.upload(slab, staging.size, staging.in_slab, self.path)
+        if on_device is not None:
+            placed.update((name, (on_device, staging.offsets[name])) for name in staging.in_slab)
 
     def _allocate(self, size: int, names: list[str]):
         slab = self._hook.slabs.allocate(size, names, self.path, on_death=self._slab_died)

@@ -1,16 +1,18 @@
 """The hook's slabs: a slab's budget is released the moment its last tensor dies, its buffer serves
 the next slab (never unmapped mid-load while the buffers fit the budget), one that would not fit is
 unmapped, nothing is kept after the load; a window of the page cache views it in place and is
-unmapped with its last tensor."""
+unmapped with its last tensor; a GPU slab takes over the budget of the host slab uploaded to it."""
 
 from __future__ import annotations
 
 import gc
 
 import numpy as np
+import torch
 
 from dev.memstate import uncache
 from rankfs.loader.budget import Budget
+from rankfs.loader.device import DeviceSlabs
 from rankfs.loader.slabs import SlabPool
 from rankfs.reader.io import PAGE, OpenFile
 
@@ -71,3 +73,40 @@ def test_a_window_views_the_page_cache_in_place_until_its_last_tensor_dies(tmp_p
         assert not source.resident(PAGE, 2 * PAGE)
     finally:
         source.close()
+
+
+def test_a_gpu_slab_takes_over_its_host_slabs_budget_and_frees_its_buffer_with_its_last_view():
+    """The GPU slabs' bookkeeping, run on host memory (the CUDA copy itself is checked on the GPU host
+    by `python3 -m dev gpu-load`): torch's DLPack deleter is what tells the pool a slab is dead."""
+    budget = Budget(3 * MIB)
+    host = SlabPool(MIB, budget, pin=False, staging=True)
+    device = DeviceSlabs(torch.device("cpu"), MIB, budget, wanted=lambda: True, retire=lambda b: b.close())
+    deaths = []
+    data = torch.from_numpy(np.random.default_rng(5).integers(0, 256, MIB - 100, dtype=np.uint8))
+
+    budget.reserve(MIB)
+    slab = host.allocate(MIB - 100, ["t"], "a.safetensors", on_death=lambda: deaths.append("t"))
+    slab.tensor.copy_(data)
+    uploaded = device.upload(slab, MIB - 100, ["t"], "a.safetensors")
+    assert torch.equal(uploaded.tensor, data) and uploaded.tensor.data_ptr() != slab.tensor.data_ptr()
+    host_buffer = slab.buffer
+    del slab  # the host buffer goes back at once; the budget stays with the GPU slab
+    assert host.alive() == [] and host._idle == [host_buffer] and budget.used == MIB and deaths == []
+    view = uploaded.tensor[10:20].view(torch.int16)
+    buffer = uploaded.buffer
+    del uploaded
+    assert device.pool.alive() == [("a.safetensors", ["t"])] and budget.used == MIB
+    del view
+    assert device.pool.alive() == [] and budget.used == 0 and deaths == ["t"] and device.pool._idle == [buffer]
+
+    budget.reserve(MIB)
+    again = host.allocate(200, ["u"], "b.safetensors")
+    again.tensor.copy_(data[:200])
+    synced = device.fence.count
+    reused = device.upload(again, 200, ["u"], "b.safetensors")
+    assert reused.buffer is buffer and device.fence.count == synced + 1  # written again only after a sync
+    assert torch.equal(reused.tensor, data[:200])
+    del again, reused
+    device.pool.drop_idle()
+    host.drop_idle()
+    assert budget.used == 0 and device.pool._idle == [] and buffer.memory is None

@@ -1,8 +1,8 @@
 """A loader that reads a model directory the way SGLang's DeepSeek path does, for tests and the
 benchmark: files opened several at a time and yielded in order (the buffered multi-thread
 iterator), each tensor narrowed by FusedMoE's rule and copied into preallocated memory by a pool of
-copy threads. Routed experts another EP rank owns are skipped, row-store tables only have their
-shape checked. The parameters are allocated before the load (`allocate`, as the engines build the
+copy threads (on the loop for tensors on a GPU already, as SGLang does). Routed experts another EP
+rank owns are skipped, row-store tables only have their shape checked. The parameters are allocated before the load (`allocate`, as the engines build the
 model before they load its weights), or on first sight. Nothing here knows about rankfs.
 """
 
@@ -127,7 +127,8 @@ def copy_weights(weights, profile: Profile, layout: MoELayout, counts: dict, cop
                  params: dict | None = None, keep=None, device: str = "cpu",
                  progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """The model's side of a load: each (name, tensor) it owns, narrowed, copied into its parameter on
-    `device` by a pool of copy threads (parameters made on first sight, as if preallocated).
+    `device` by a pool of copy threads, or on the loop where the tensor is on a GPU already, as
+    SGLang does (parameters made on first sight, as if preallocated).
     `keep(name)` picks the model's tensors (the target skips mtp.*). Returns {name: parameter}."""
     params = {} if params is None else params
 
@@ -155,7 +156,10 @@ def copy_weights(weights, profile: Profile, layout: MoELayout, counts: dict, cop
                 continue
             if name not in params:
                 params[name] = torch.empty(source.shape, dtype=source.dtype, device=device)
-            futures.append(copies.submit(copy, name, source))
+            if source.device.type == "cpu":
+                futures.append(copies.submit(copy, name, source))
+            else:  # SGLang's should_async_load: device tensors are loaded on the loop, no thread pool
+                copy(name, source)
         for future in futures:
             future.result()
     return params

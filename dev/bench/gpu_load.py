@@ -52,8 +52,9 @@ def child(mode: str, directory: str, counts_from: str, layout: dict, device: str
     if mode == "hook":
         import rankfs.loader as loader
         figures = loader.release("target")
-        out["release"] = {k: figures[k] for k in ("pinned", "slabs", "windows", "slab_requests", "peak_slab_bytes",
-                                                  "slabs_alive", "torch_host_allocs", "nontorch_since_load_start")}
+        out["release"] = {k: figures[k] for k in (
+            "pinned", "staged_on", "slabs", "windows", "slab_requests", "peak_slab_bytes", "peak_host_bytes",
+            "peak_device_bytes", "slabs_alive", "torch_host_allocs", "nontorch_since_load_start")}
     else:  # what an engine does after a stock load
         gc.collect()
         memory.malloc_trim()

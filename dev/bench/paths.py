@@ -91,7 +91,8 @@ def run_load(args: dict) -> dict:
         figures = rankfs.loader.release("target")
         result["release_seconds"] = figures["release_seconds"]  # the engine waits for it too
         result["release"] = {k: figures[k] for k in ("slabs", "windows", "window_bytes", "slab_requests",
-                                                     "peak_slab_bytes", "slabs_alive", "pinned", "pinned_bytes",
+                                                     "peak_slab_bytes", "peak_host_bytes", "peak_device_bytes",
+                                                     "staged_on", "slabs_alive", "pinned", "pinned_bytes",
                                                      "nontorch_since_load_start", "release_steps")}
     return result
 

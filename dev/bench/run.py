@@ -20,7 +20,8 @@ threads into preallocated parameters on --device), fed by the path's source:
 It prints, per case and mode, seconds, GB/s of the rank's bytes, the ratio to the limit, time to
 the first byte landed, the steady rate, what bounds the load (the seconds its loop waited for the
 next tensor; how many copy threads were busy on average), peak memory of loader and daemon, the
-hook's peak pinned bytes and what stayed in page cache; writes results.json and timeline.png.
+hook's host and GPU buffers at their peak and what stayed in page cache; writes results.json and
+timeline.png.
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def table(result: dict) -> str:
     lines = [f"\n{result['case']}: {result['spec']}",
              f"{'mode':<5} {'path':<44} {'s':>6} {'GB/s':>6} {'x limit':>7} {'TTFB s':>6} {'steady':>6} "
              f"{'waited':>6} {'copy thr':>8} "
-             f"{'release s':>9} {'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'cache left':>10}"]
+             f"{'release s':>9} {'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'hook GPU':>10} "
+             f"{'cache left':>10}"]
     mib = lambda n: f"{n / 2**20:6.0f} MiB" if n else f"{'-':>10}"  # noqa: E731
     bound = lambda r: (f"{r['waited']:6.2f} {r['copying'] / r['seconds']:8.1f}" if r.get("copying")  # noqa: E731
                        else f"{'-':>6} {'-':>8}")  # the limits copy nothing
@@ -242,12 +244,13 @@ def table(result: dict) -> str:
         if "error" in r:
             lines.append(f"{r['mode']:<5} {r['path']:<44} error: {r['error']}")
             continue
-        pinned = (r.get("release") or {}).get("peak_slab_bytes")
+        release = r.get("release") or {}
         lines.append(f"{r['mode']:<5} {r['path']:<44} {r['seconds']:6.2f} {r['gb_per_s']:6.2f} "
                      f"{r.get('ratio_to_limit', float('nan')):7.2f} {r['ttfb'] or float('nan'):6.2f} "
                      f"{r['steady_gb_per_s'] or float('nan'):6.2f} {bound(r)} {r.get('release_seconds', float('nan')):9.2f} "
                      f"{mib(r['peak_rss']):>10} "
-                     f"{mib(r.get('daemon_peak_rss')):>10} {mib(pinned):>11} {mib(max(0, r['cached_after'])):>10}")
+                     f"{mib(r.get('daemon_peak_rss')):>10} {mib(release.get('peak_host_bytes')):>11} "
+                     f"{mib(release.get('peak_device_bytes')):>10} {mib(max(0, r['cached_after'])):>10}")
     return "\n".join(lines)
 
 
