@@ -44,6 +44,9 @@ class RankfsFile:
         self._metadata = header.metadata
         meta = header.metadata or {}
         self._slices = {name: Slice(*s) for name, s in json.loads(meta.get(contract.SLICES_KEY, "{}")).items()}
+        # Worked out once: planning and every hand-out ask (on the open threads, which share the GIL).
+        self._rows = {name: slc.rows(self._entries[name].dtype, self._entries[name].shape)
+                      for name, slc in self._slices.items() if name in self._entries}
         self._on_demand = set(json.loads(meta.get(contract.ON_DEMAND_KEY, "[]")))
         self._placement = placement  # {tensor: (source OpenFile, offset)}, or None: read the view file
         self._view = OpenFile(path, direct=False)
@@ -97,8 +100,7 @@ class RankfsFile:
 
     def rows(self, name: str) -> Rows | None:
         """Where a sliced tensor's kept bytes lie in it; None for whole tensors."""
-        slc = self._slices.get(name)
-        return None if slc is None else slc.rows(self._entries[name].dtype, self._entries[name].shape)
+        return self._rows.get(name)
 
     def resident_shape(self, name: str) -> list[int]:
         shape = list(self._entries[name].shape)

@@ -114,6 +114,7 @@ class Daemon:
             "pushed_bytes": stats.pushed_bytes,
             "pushed_fill_bytes": stats.pushed_fill_bytes,
             "remnant_bytes": stats.remnant_bytes,
+            "reread_bytes": stats.reread_bytes,
             "uncache_pending_bytes": stats.uncache_pending_bytes,
             "memory": self.engine.held.figures(),
             "errors": stats.errors,

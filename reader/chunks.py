@@ -26,7 +26,7 @@ class Chunk:
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "served", "requested",
-                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file")
+                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # offset in the virtual file
@@ -45,6 +45,7 @@ class Chunk:
         self.served = 0  # bytes handed to the kernel
         self.requested = False  # a loader has read some of it (not only pushes)
         self.prefetched = -1  # the prefetch pass that last read it
+        self.reads = 0  # times read from its source
         self.stream_pos = -1  # position in its file's stream
         self.file: FileStream | None = None
         self.error: str | None = None  # the last failed read's reason: served as EIO, never as data

@@ -277,6 +277,8 @@ class ReadEngine:
                 self.stats.on_demand_read_bytes += chunk.length
             else:
                 self.stats.read_bytes[chunk.source] += chunk.length
+                self.stats.reread_bytes += chunk.length if chunk.reads else 0
+            chunk.reads += 1
             self.held.add(chunk)
             if prefetched and self._pushing and drops == self.drops:
                 self._pushable_send.send_nowait(chunk)

@@ -66,7 +66,8 @@ def test_daemon_reads_what_the_plan_says(tiny_checkpoint, mount_dir):
             load_like_engine(mount_dir / view, engine_layout(4, 1, 2), tiny_checkpoint)
         status = contract.read_status(str(mount_dir))
     planned = sum(row["read_bytes"] for row in plan.summary())
-    assert status["read_bytes"] == planned
+    # What the kernel asked for again after the daemon let it go is read again, and counted.
+    assert status["read_bytes"] - status["reread_bytes"] - status["remnant_bytes"] == planned
     # Sliced: w1/w3 read a quarter, w2 whole rows; so EP1 reads what EP2 reads, and keeps half of it.
     assert planned < sum(p.stat().st_size for p in tiny_checkpoint.glob("*.safetensors"))
 
