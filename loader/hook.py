@@ -27,6 +27,7 @@ from rankfs.loader.ordered import OrderedExecutor
 from rankfs.loader.settings import HookSettings, rank_override
 from rankfs.loader.slabs import SlabPool
 from rankfs.loader.staged import StagedFile
+from rankfs.reader.io import PAGE, align_down
 
 log = logging.getLogger("rankfs.hook")
 
@@ -46,11 +47,11 @@ class Hook:
         self.stock_open = stock_open
         self.load_start = load_start or memory.snapshot()  # of the first load (the target's)
         cuda = torch.cuda.is_available()
-        # Maps of the sources instead of slabs for loads into host memory, where a slab would only
-        # add a copy (RANKFS_HOOK_MAP; by default when there is no CUDA).
-        self.map_sources = settings.map_sources == "on" or settings.map_sources == "auto" and not cuda
+        # Maps of the sources instead of slabs (RANKFS_HOOK_MAP): always, never, or, by default,
+        # for loads into host memory (no CUDA) file by file, where the page cache holds them.
+        self.map_sources = "off" if settings.map_sources == "auto" and cuda else settings.map_sources
         self.budget = Budget(settings.budget_bytes)
-        device = None if self.map_sources else loading_device(settings.device)
+        device = None if self.map_sources == "on" else loading_device(settings.device)
         # Host slabs only stage uploads when the loader is handed GPU memory (rankfs.loader.device).
         self.slabs = SlabPool(settings.slab_bytes, self.budget, pin=cuda, wanted=self._slabs_wanted,
                               retire=self._retire, staging=device is not None)
@@ -86,13 +87,25 @@ class Hook:
         if self.mode == "observe":
             return self.stock_open(path, framework=framework, device=device)
         placement = self.link.placement(path)
-        mapped = placement is not None and self.map_sources
+        mapped = placement is not None and self._maps_file(placement)
         with self._lock:  # the threads this kind of file needs, at its first (or its first after a release)
             if mapped:
                 self.map_executor = self.map_executor or OrderedExecutor(MAP_READERS, "rankfs-map", self.budget)
             else:
                 self.executor = self.executor or OrderedExecutor(self.settings.threads, "rankfs-read", self.budget)
         return MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)
+
+    def _maps_file(self, placement: dict) -> bool:
+        """Whether a file's tensors view maps of its sources. For loads into host memory, by
+        default where the page cache holds three quarters of them (judged by each one's first
+        page): a map then costs no read and no copy, where from the disk reads into slabs outrun
+        the loader's page faults (2-core VM, 8 GB, cold: 3.6-5.0 s against 6.6-7.8 s; warm, maps
+        1.3-2.0 s against 1.8-3.8 s)."""
+        if self.map_sources != "auto":
+            return self.map_sources == "on"
+        cached = sum(source.resident(align_down(offset), align_down(offset) + PAGE)
+                     for source, offset in placement.values())
+        return cached * 4 >= len(placement) * 3
 
     def _slabs_wanted(self) -> bool:
         executor = self.executor

@@ -3,7 +3,8 @@
     RANKFS_HOOK             on | observe | off     on: load rankfs views through the hook; observe:
                                                    load the stock way, only log the memory figures
     RANKFS_HOOK_MAP         auto | on | off       tensors that view maps of the sources instead of
-                                                   pinned slabs (auto: when there is no CUDA)
+                                                   slabs (auto: without CUDA, for each file the page
+                                                   cache holds)
     RANKFS_HOOK_DEVICE      auto | cpu | cuda[:N] where staged tensors are handed out: GPU memory (the
                                                    loader's copies are device to device) or
                                                    page-locked host memory (cpu); auto: the GPU the

@@ -1,11 +1,12 @@
-"""Slabs: large host buffers shared by many tensors, so that a load makes a few hundred allocations
+"""Slabs: large buffers shared by many tensors, so that a load makes a few hundred allocations
 instead of one per tensor and copies to the GPU are plain DMA from page-locked memory (pageable
 sources leave driver staging behind, which shrinks MemAvailable on unified memory).
 
-A slab's buffer is either a `HostBuffer`, an anonymous map in huge pages filled by the read threads,
-or a `FileWindow`, pages of a source the page cache already holds, mapped in place (nothing read,
-nothing copied: the GPU copies straight from the page cache). Either is page-locked with
-cudaHostRegister once it holds its bytes. A slab lives as long as some tensor views it: torch holds
+A slab's buffer is a `HostBuffer`, an anonymous map in huge pages filled by the read threads, or a
+`FileWindow`, pages of a source the page cache already holds, mapped in place (nothing read,
+nothing copied: the GPU copies straight from the page cache); either is page-locked with
+cudaHostRegister once it holds its bytes. The same pool keeps GPU buffers that host slabs are
+uploaded to (rankfs.loader.device). A slab lives as long as some tensor views it: torch holds
 the memoryview a slab's tensor was made from until the last view dies, and that memoryview's
 finalizer releases the slab's budget and keeps a host buffer for the next slab (the first use of
 fresh memory, faulting and page-locking it, costs several times a read from the page cache); a

@@ -5,8 +5,10 @@ narrows elsewhere fails loudly through the hook."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
+import safetensors
 import torch
 
 import rankfs.loader as loader
@@ -286,3 +288,35 @@ def _mapped_rss(directory) -> int:
             elif counting and fields[0] == "Rss:":
                 total += int(fields[1]) << 10
     return total
+
+
+@pytest.mark.mount
+def test_loads_into_host_memory_map_the_files_the_page_cache_holds_and_read_the_others(tiny_checkpoint, mount_dir,
+                                                                                       monkeypatch):
+    """RANKFS_HOOK_MAP=auto without CUDA: a file whose tensors are cached is mapped (no read, no copy),
+    one that is not is staged (read from the disk into slabs); the load's bytes are the same."""
+    monkeypatch.delenv("RANKFS_HOOK_MAP", raising=False)
+    shards = shard_files(tiny_checkpoint)
+    uncache(shards)
+    for shard in shards[::2]:  # every other shard cached
+        with open(shard, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    loader.activate("on")
+    try:
+        with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+            views = shard_files(mount_dir / "target")
+            kinds = {}
+            for view in views:
+                with safetensors.safe_open(view, framework="pt") as opened:
+                    kinds[os.path.basename(view)] = type(opened).__name__
+            sources = {os.path.basename(s) for s in shards[::2]}
+            assert {"MappedFile", "StagedFile"} <= set(kinds.values())
+            assert {k for k, kind in kinds.items() if kind == "MappedFile"} == sources & set(kinds)
+            assert {k for k, kind in kinds.items() if kind == "StagedFile"} == set(kinds) - sources
+            got = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint)
+            loader.release("target")
+        assert_same(got, {n: t for n, t in load_like_engine(tiny_checkpoint, engine_layout(4, 1, 1),
+                                                             tiny_checkpoint).items() if not n.startswith("mtp.")})
+    finally:
+        loader.deactivate()
