@@ -82,12 +82,13 @@ class Fence:
         self._lock = threading.Lock()
 
     def after(self, count: int):
-        """Make sure a synchronization happened after `count` was read."""
+        """Make sure a synchronization began after `count` was read (the count moves first: a slab
+        that dies while one runs reads the new count, and waits for the next)."""
         with self._lock:
             if self.count == count:
+                self.count += 1
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                self.count += 1
 
 
 class DeviceBuffer:
