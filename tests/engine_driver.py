@@ -5,7 +5,8 @@ tests/test_engines.py, under `rankfs run` or not.
     python3 tests/engine_driver.py sglang|vllm JOBS_JSON
 
 JOBS_JSON: [{"directory", "phase": "target"|"draft", "layout": MoELayout fields, "counts": {expert
-group: experts}, "device": "cpu" (default) or "cuda"}, ...], loaded in order in this one process.
+group: experts}, "device": "cpu" (default) or "cuda", "uncache": [files to drop from the page cache
+first]}, ...], loaded in order in this one process.
 Prints one JSON line per load: the parameters' digests, the releases the hook had made when the load
 returned (with their figures), and the process's threads.
 """
@@ -22,6 +23,7 @@ import types
 import torch
 
 from dev.bench.engine_like import MoELayout, narrowed
+from dev.memstate import uncache
 from rankfs.plan.profiles import BY_NAME
 
 PROFILE = BY_NAME["deepseek-v4"]
@@ -102,6 +104,7 @@ def main(engine: str, jobs: list[dict]):
     load = sglang() if engine == "sglang" else vllm(sorted({job["directory"] for job in jobs}))
     for job in jobs:
         device = job.get("device", "cpu")
+        uncache(job.get("uncache", []))
         model = TinyMoE(job["phase"], MoELayout(**job["layout"]), job["counts"], device)
         load(job["directory"], model, job["phase"] == "draft", torch.device(device))
         import rankfs.loader
@@ -110,7 +113,7 @@ def main(engine: str, jobs: list[dict]):
                           "digests": {n: digest(t) for n, t in sorted(model.weights.items())},
                           "releases": [r["phase"] for r in hook.releases] if hook else [],
                           "slabs_alive": [r["slabs_alive"] for r in hook.releases] if hook else [],
-                          "release_figures": [{k: r[k] for k in ("pinned", "pinned_bytes", "peak_slab_bytes", "slabs",
+                          "release_figures": [{k: r[k] for k in ("pinned", "pinned_bytes", "peak_slab_bytes", "slabs", "slab_requests",
                                                                  "windows", "cuda_reserved", "nvml_process")}
                                               for r in hook.releases] if hook else [],
                           "threads": threading.active_count()}), flush=True)

@@ -70,15 +70,23 @@ def mounts(tiny_checkpoint, tmp_path_factory):
         yield {"ep1-sliced": sliced, "ep2": ep2}
 
 
-@pytest.mark.parametrize("path", ["map", "slab"])
+@pytest.mark.parametrize("path", ["map", "slab", "auto"])
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_each_load_is_released_once_when_it_returns(tiny_checkpoint, mounts, engine, path):
-    # 1 MiB slabs: the cached experts' runs (64 KiB and more) are windows of the page cache, the rest slabs
-    env = {"RANKFS_HOOK_MAP": "on"} if path == "map" else {"RANKFS_HOOK_MAP": "off", "RANKFS_HOOK_SLAB_MB": "1"}
-    reports, stderr = drive(engine, jobs_for(tiny_checkpoint, mounts), env, ["rankfs", "run", "--"])
+    # 1 MiB slabs: the cached experts' runs (64 KiB and more) are windows of the page cache, the rest slabs.
+    # auto (the default): every other source shard dropped from the page cache before each load of a
+    # view, so that those files are staged and the others mapped.
+    env = {"map": {"RANKFS_HOOK_MAP": "on"}, "slab": {"RANKFS_HOOK_MAP": "off", "RANKFS_HOOK_SLAB_MB": "1"},
+           "auto": {}}[path]
+    jobs = jobs_for(tiny_checkpoint, mounts)
+    if path == "auto":
+        jobs = [dict(job, uncache=shard_files(tiny_checkpoint)[::2]) if job["directory"] != str(tiny_checkpoint)
+                else job for job in jobs]
+    reports, stderr = drive(engine, jobs, env, ["rankfs", "run", "--"])
     check(reports, stderr)
     staged = [figures for r in reports for figures in r["release_figures"]]
     assert (path == "slab") == any(f["windows"] for f in staged) and all(f["slabs"] >= f["windows"] for f in staged)
+    assert (path == "map") != any(f["slab_requests"] for f in staged)
     for name, mountpoint in mounts.items():  # every byte came from the sources, nothing read ahead twice
         status = json.loads(rankfs("status", mountpoint, "--json").stdout)
         assert status["prefetch_loads"] == 0 and status["pushed_bytes"] == 0
