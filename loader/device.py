@@ -133,6 +133,11 @@ class DeviceSlabs:
                              make=lambda nbytes: DeviceBuffer(nbytes, self.fence))
         self.failed = False  # the device ran out of memory once: groups stay in host slabs from then on
 
+    @property
+    def staged_on(self) -> str:
+        """Where groups were handed out from: the device, and the host once it ran out of memory."""
+        return str(self.device) + ("+host" if self.failed else "")
+
     def upload(self, host: Slab, nbytes: int, names: list[str], file: str) -> Slab | None:
         """host.tensor[:nbytes] copied into a new GPU slab, which takes over the host slab's lease
         once it holds the bytes; None (the host slab stays the group's) where the device has no

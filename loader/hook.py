@@ -20,8 +20,8 @@ import torch
 from rankfs import contract
 from rankfs.loader import memory
 from rankfs.loader.budget import Budget
-from rankfs.loader.device import DeviceSlabs, loading_device
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
+from rankfs.loader.device import DeviceSlabs, loading_device
 from rankfs.loader.mapped import MappedFile
 from rankfs.loader.ordered import OrderedExecutor
 from rankfs.loader.settings import HookSettings, rank_override
@@ -185,8 +185,7 @@ class Hook:
             "mem_available_before": before["memavailable"],
             "pinned": self.slabs.pin,
             "pinned_bytes": self.slabs.pinned_bytes(),
-            "staged_on": "host" if self.on_device is None
-            else str(self.on_device.device) + "+host" * self.on_device.failed,  # host: the device ran out
+            "staged_on": "host" if self.on_device is None else self.on_device.staged_on,
             "slab_requests": self.slabs.stats.requests, "slabs": self.slabs.stats.slabs,
             "windows": self.slabs.stats.windows, "window_bytes": self.slabs.stats.window_bytes,
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),

@@ -113,8 +113,9 @@ def main(engine: str, jobs: list[dict]):
                           "digests": {n: digest(t) for n, t in sorted(model.weights.items())},
                           "releases": [r["phase"] for r in hook.releases] if hook else [],
                           "slabs_alive": [r["slabs_alive"] for r in hook.releases] if hook else [],
-                          "release_figures": [{k: r[k] for k in ("pinned", "pinned_bytes", "peak_slab_bytes", "slabs", "slab_requests",
-                                                                 "windows", "cuda_reserved", "nvml_process")}
+                          "release_figures": [{k: r[k] for k in ("pinned", "pinned_bytes", "peak_slab_bytes", "slabs",
+                                                                 "slab_requests", "windows", "cuda_reserved",
+                                                                 "nvml_process")}
                                               for r in hook.releases] if hook else [],
                           "threads": threading.active_count()}), flush=True)
 

@@ -2,8 +2,9 @@
 benchmark: files opened several at a time and yielded in order (the buffered multi-thread
 iterator), each tensor narrowed by FusedMoE's rule and copied into preallocated memory by a pool of
 copy threads (on the loop for tensors on a GPU already, as SGLang does). Routed experts another EP
-rank owns are skipped, row-store tables only have their shape checked. The parameters are allocated before the load (`allocate`, as the engines build the
-model before they load its weights), or on first sight. Nothing here knows about rankfs.
+rank owns are skipped, row-store tables only have their shape checked. The parameters are allocated
+before the load (`allocate`, as the engines build the model before they load its weights), or on
+first sight. Nothing here knows about rankfs.
 """
 
 from __future__ import annotations
