@@ -47,14 +47,14 @@ class Hook:
         self.stock_open = stock_open
         self.load_start = load_start or memory.snapshot()  # of the first load (the target's)
         cuda = torch.cuda.is_available()
+        device = None if settings.map_sources == "on" else loading_device(settings.device)
         # Maps of the sources instead of slabs (RANKFS_HOOK_MAP): always, never, or, by default,
         # for loads into host memory (no CUDA) file by file, where the page cache holds them.
-        self.map_sources = "off" if settings.map_sources == "auto" and cuda else settings.map_sources
+        auto_off = settings.map_sources == "auto" and (cuda or device is not None)
+        self.map_sources = "off" if auto_off else settings.map_sources
         self.budget = Budget(settings.budget_bytes)
-        device = None if self.map_sources == "on" else loading_device(settings.device)
-        # Host slabs only stage uploads when the loader is handed GPU memory (rankfs.loader.device).
         self.slabs = SlabPool(settings.slab_bytes, self.budget, pin=cuda, wanted=self._slabs_wanted,
-                              retire=self._retire, staging=device is not None)
+                              retire=self._retire)
         self.on_device = None if device is None else DeviceSlabs(device, settings.slab_bytes, self.budget,
                                                                  wanted=self._slabs_wanted, retire=self._retire)
         self.link = DaemonLink()
@@ -163,6 +163,8 @@ class Hook:
         clock.step("stop")
         for pool in pools:
             pool.drop_idle()
+        if self.on_device is not None:
+            self.on_device.close_bounces()
         memory.malloc_trim()
         memory.return_pinned_and_cached()
         clock.step("memory")
@@ -184,13 +186,14 @@ class Hook:
             **after,
             "mem_available_before": before["memavailable"],
             "pinned": self.slabs.pin,
-            "pinned_bytes": self.slabs.pinned_bytes(),
+            "pinned_bytes": self.slabs.pinned_bytes() + (self.on_device.pinned_bytes() if self.on_device else 0),
             "staged_on": "host" if self.on_device is None else self.on_device.staged_on,
             "slab_requests": self.slabs.stats.requests, "slabs": self.slabs.stats.slabs,
             "windows": self.slabs.stats.windows, "window_bytes": self.slabs.stats.window_bytes,
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),
-            # Host buffers (page-locked where pinned) and GPU buffers at their most, idle ones included.
-            "peak_host_bytes": self.slabs.stats.peak_bytes,
+            # Host buffers (page-locked where pinned; bounce buffers too) and GPU buffers at their most,
+            # idle ones included.
+            "peak_host_bytes": self.slabs.stats.peak_bytes + (self.on_device.bounce_bytes if self.on_device else 0),
             "peak_device_bytes": self.on_device.pool.stats.peak_bytes if self.on_device else 0,
             "torch_host_allocs": memory.host_alloc_count(),
             "release_seconds": clock.total(), "release_steps": clock.steps,

@@ -20,14 +20,25 @@ from rankfs.loader.budget import Budget
 
 
 class _Job:
-    __slots__ = ("key", "sequence", "future", "fn", "args", "cost", "urgent")
+    __slots__ = ("key", "sequence", "future", "fn", "args", "cost", "urgent", "part")
 
-    def __init__(self, key, sequence, future, fn, args, cost, urgent):
+    def __init__(self, key, sequence, future, fn, args, cost, urgent, part=False):
         self.key, self.sequence, self.future, self.fn, self.args = key, sequence, future, fn, args
         self.cost, self.urgent = cost, urgent
+        self.part = part  # a part of a group's reads (run_all), which any thread may run
 
     def __lt__(self, other):
         return (self.key, self.sequence) < (other.key, other.sequence)
+
+    def run(self) -> bool:
+        """Run it here unless it was cancelled: whether it ran."""
+        if not self.future.set_running_or_notify_cancel():
+            return False
+        try:
+            self.future.set_result(self.fn(*self.args))
+        except BaseException as exc:  # handed to whoever waits on the future
+            self.future.set_exception(exc)
+        return True
 
 
 class OrderedExecutor:
@@ -50,11 +61,14 @@ class OrderedExecutor:
         """Run fn(*args) before every queued job with a larger key (ties: in submission order). A
         job with a cost runs once the budget has room for it and every costly job before it has
         run, or once urgent() holds."""
+        return self._enqueue(key, fn, args, cost, urgent)
+
+    def _enqueue(self, key, fn, args, cost=0, urgent=None, part=False) -> Future:
         future: Future = Future()
         with self._ready:
             if self._closed:
                 raise RuntimeError("the hook's read threads were shut down")
-            bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent))
+            bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent, part))
             self._ready.notify()
         return future
 
@@ -81,26 +95,25 @@ class OrderedExecutor:
     def run_all(self, key: tuple, jobs: list):
         """Run every job (a callable) on this thread and on whichever others are free for them
         (queued under key + (i,), before any later key); return when all are done, raising the
-        first error. The calling thread never waits on queued work, only on jobs running."""
-        claimed = [False] * len(jobs)
-        results = [Future() for _ in jobs]
-        lock = threading.Lock()
+        first error. Until they are, this thread runs the first part of any group queued, its own
+        or one the loader needs sooner: threads that took groups read ahead (eight at the start of
+        a load) would otherwise each read their own, and the file the loader waits for would get
+        one thread of eight. It never waits on queued work, only on jobs running."""
+        parts = [self._enqueue((*key, i), job, (), part=True) for i, job in enumerate(jobs)]
+        while not all(part.done() for part in parts):
+            part = self._next_part()
+            if part is None:
+                break
+            part.run()
+        for part in parts:
+            part.result()
 
-        def claim_and_run(i: int):
-            with lock:
-                if claimed[i]:
-                    return
-                claimed[i] = True
-            try:
-                results[i].set_result(jobs[i]())
-            except BaseException as exc:  # raised below, in the caller
-                results[i].set_exception(exc)
-        for i in range(1, len(jobs)):
-            self.submit((*key, i), claim_and_run, i)
-        for i in range(len(jobs)):
-            claim_and_run(i)
-        for result in results:
-            result.result()
+    def _next_part(self) -> _Job | None:
+        with self._ready:
+            for i, job in enumerate(self._queue):
+                if job.part and not job.future.cancelled():
+                    return self._queue.pop(i)
+        return None
 
     def shutdown(self):
         """Cancel what has not started, wait for what has; chores left are run here."""
@@ -157,11 +170,5 @@ class OrderedExecutor:
             if chore is not None:
                 chore()
                 continue
-            if not job.future.set_running_or_notify_cancel():
-                if job.cost and self._budget is not None:
-                    self._budget.release(job.cost)
-                continue
-            try:
-                job.future.set_result(job.fn(*job.args))
-            except BaseException as exc:  # handed to whoever waits on the future
-                job.future.set_exception(exc)
+            if not job.run() and job.cost and self._budget is not None:
+                self._budget.release(job.cost)

@@ -5,7 +5,7 @@ sources leave driver staging behind, which shrinks MemAvailable on unified memor
 A slab's buffer is a `HostBuffer`, an anonymous map in huge pages filled by the read threads, or a
 `FileWindow`, pages of a source the page cache already holds, mapped in place (nothing read,
 nothing copied: the GPU copies straight from the page cache); either is page-locked with
-cudaHostRegister once it holds its bytes. The same pool keeps GPU buffers that host slabs are
+cudaHostRegister once it holds its bytes. The same pool keeps the GPU buffers that groups are
 uploaded to (rankfs.loader.device). A slab lives as long as some tensor views it: torch holds
 the memoryview a slab's tensor was made from until the last view dies, and that memoryview's
 finalizer releases the slab's budget and keeps a host buffer for the next slab (the first use of
@@ -137,17 +137,12 @@ class Buffer(Protocol):
 
 
 class Lease:
-    """What a slab's death gives back: budget, and a callback. The GPU slab a host slab is uploaded
-    to takes it over (`take_over`): that one holds the group's bytes for the loader from then on."""
+    """What a slab's death gives back: budget, and a callback."""
 
     __slots__ = ("reserved", "on_death")
 
     def __init__(self, reserved: int = 0, on_death: Callable[[], None] | None = None):
         self.reserved, self.on_death = reserved, on_death
-
-    def take_over(self, other: "Lease"):
-        self.reserved, self.on_death = other.reserved, other.on_death
-        other.reserved, other.on_death = 0, None
 
 
 class Slab:
@@ -172,12 +167,11 @@ class SlabStats:
 class SlabPool:
     def __init__(self, slab_bytes: int, budget: Budget, pin: bool, wanted: Callable[[], bool] = lambda: True,
                  retire: Callable[[Buffer], None] = lambda buffer: buffer.close(),
-                 make: Callable[[int], Buffer] = HostBuffer, staging: bool = False):
+                 make: Callable[[int], Buffer] = HostBuffer):
         """wanted(): whether more slabs will be asked for (else a dead slab's buffer goes at once);
         retire(buffer): unpin and unmap it, off the loader's threads where it can; make(nbytes): a
-        new buffer. A staging pool's slabs only pass bytes on to the GPU: its idle buffers fit the
-        budget beside its own live ones, not beside everything the budget holds."""
-        self.wanted, self.retire, self.make, self.staging = wanted, retire, make, staging
+        new buffer."""
+        self.wanted, self.retire, self.make = wanted, retire, make
         self.slab_bytes = slab_bytes
         self.budget = budget
         self.pin = pin
@@ -193,13 +187,12 @@ class SlabPool:
         the next slab (no new map to fault in and page-lock, nothing to unregister mid-load)."""
         return max(nbytes, self.slab_bytes)
 
-    def allocate(self, nbytes: int, names: list[str], file: str, on_death: Callable[[], None] | None = None,
-                 lease: Lease | None = None) -> Slab:
+    def allocate(self, nbytes: int, names: list[str], file: str, on_death: Callable[[], None] | None = None) -> Slab:
         """A new slab of nbytes; its footprint is reserved already (by the read threads' admission),
-        and released by its death (then on_death() runs too), or what `lease` says."""
+        and released by its death (then on_death() runs too)."""
         size = self.footprint(nbytes)
         buffer = self._reuse(size) or self._held(self.make(size))
-        return self._slab(buffer, nbytes, size, names, file, lease or Lease(size, on_death))
+        return self._slab(buffer, nbytes, size, names, file, Lease(size, on_death))
 
     def window(self, source: OpenFile, begin: int, end: int, names: list[str], file: str,
                on_death: Callable[[], None] | None = None) -> Slab:
@@ -255,7 +248,7 @@ class SlabPool:
         file larger than it); a window goes. `reserved` is released."""
         with self._lock:
             del self._live[slab_id]
-            held = sum(len(b) for _, _, b in self._live.values()) if self.staging else self.budget.used - reserved
+            held = self.budget.used - reserved
             keep = buffer.reusable and held + sum(len(b) for b in self._idle) + len(buffer) <= self.budget.limit
         keep = keep and self.wanted()
         if keep:

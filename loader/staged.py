@@ -1,7 +1,8 @@
 """Tensors staged in slabs (for copies to a GPU: DMA from page-locked memory). Each group of a
 file's tensors is staged by the hook's threads in the loaders' order as the budget has room, every
 free thread helping with the group the loader needs first; `get_tensor` waits for its group and
-returns a view into its slab, or into the GPU memory the slab was uploaded to (rankfs.loader.device).
+returns a view into its slab: host memory, or GPU memory that the reads were uploaded to piece by
+piece through each read thread's bounce buffers (rankfs.loader.device).
 
 Bytes adjacent in a source form a run. Where slabs are handed out from host memory, a group's runs
 that the page cache holds (checked when the file is opened), those that touch joined, are windows
@@ -10,8 +11,9 @@ pages mapped in place and page-locked (with CUDA), so the GPU copies from the pa
 read and no copy by the CPU, which the loader's own threads need then. The rest (rows of slices,
 runs not cached, groups not windowed, every group staged on the GPU) fills one slab per group: each
 run read straight from the disk (O_DIRECT) unless the page cache holds it, at its file offset's
-place within a page, with its first and last pages to itself, as direct reads need; slices spread
-over rows read row by row. Either way a load adds nothing to the page cache.
+place within a page, with its first and last pages to itself, as direct reads need (a bounce
+buffer keeps that place within a page); slices spread over rows read row by row. Either way a load
+adds nothing to the page cache.
 
 Reads ahead are admitted in the loaders' order while the budget has room. The file the loader
 consumes now goes beyond it only when files before it hold one slab at most (the loader takes a
@@ -30,11 +32,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from rankfs.loader.device import PIECE_BYTES, DeviceSlabs
 from rankfs.loader.files import RankfsFile
 from rankfs.loader.slabs import Slab
 from rankfs.reader.io import PAGE, OpenFile, align_up, covering_pages
 
-BOUNCE_BYTES = 8 << 20
+ROWS_BYTES = 8 << 20  # whole rows of a slice read at once
 RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small enough to spread over threads
 WINDOW_SHARE = 32  # a window holds a 32nd of a slab at least: 8 MiB of the default 256
 
@@ -71,6 +74,60 @@ class Staging(NamedTuple):
     runs: list[Run]
     offsets: dict[str, int]
     size: int
+
+
+class Spot(NamedTuple):
+    """Where bytes bound for slab[slab_at:slab_at + nbytes] are written: buffer[at:], `at`
+    congruent to slab_at modulo PAGE (and so to their offset in the file, as direct reads need)."""
+    buffer: memoryview
+    at: int
+    slab_at: int
+    nbytes: int
+
+
+class HostLanding:
+    """Reads land in a host slab in place; it is page-locked once full, where the pool pins."""
+
+    piece = None  # a run in one read
+
+    def __init__(self, slab: Slab, pool):
+        self.slab, self.pool = slab, pool
+        self.buffer = memoryview(slab.tensor.numpy())
+
+    def place(self, at: int, nbytes: int) -> Spot:
+        return Spot(self.buffer, at, at, nbytes)
+
+    def landed(self, spot: Spot):
+        pass
+
+    def flush(self):
+        pass
+
+    def filled(self):
+        self.pool.filled(self.slab)
+
+
+class DeviceLanding:
+    """Reads land in the read thread's bounce buffers, a piece at most at a time, and are uploaded
+    to their place in a GPU slab (rankfs.loader.device)."""
+
+    piece = PIECE_BYTES
+
+    def __init__(self, slab: Slab, device: DeviceSlabs):
+        self.slab, self.device = slab, device
+
+    def place(self, at: int, nbytes: int) -> Spot:
+        buffer, position = self.device.bounce().place(self.slab.tensor, at, nbytes)
+        return Spot(buffer, position, at, nbytes)
+
+    def landed(self, spot: Spot):
+        self.device.bounce().landed(spot.slab_at, spot.nbytes)
+
+    def flush(self):
+        self.device.bounce().flush()
+
+    def filled(self):
+        pass
 
 
 def join_touching(runs: list[Run]) -> list[Span]:
@@ -118,10 +175,10 @@ def lay_out(blocks: list[tuple[str, OpenFile, int, int]], rows: list[tuple[str, 
     return runs, offsets, align_up(pos)
 
 
-def _batches(reads: list) -> list:
+def _batches(reads: list, landing) -> list:
     """Reads (path, offset, bytes, read) in file order, as jobs of RUN_BYTES or more each: a job per
     small read would cost more in hand-offs between threads than the read (sliced experts' blocks
-    are a few MB)."""
+    are a few MB). A job ends once what it read has landed."""
     jobs, batch, size = [], [], 0
     for *_, nbytes, read in reads:
         batch.append(read)
@@ -131,20 +188,22 @@ def _batches(reads: list) -> list:
             batch, size = [], 0
     if batch:
         jobs.append(batch)
-    return [functools.partial(_run_each, batch) for batch in jobs]
+    return [functools.partial(_run_each, batch, landing) for batch in jobs]
 
 
-def _run_each(reads: list):
+def _run_each(reads: list, landing):
     for read in reads:
         read()
+    if landing is not None:
+        landing.flush()
 
 
-def _bounce(nbytes: int) -> memoryview:
+def _rows_buffer(nbytes: int) -> memoryview:
     """This thread's page-aligned buffer for whole rows (a fresh one per tensor would cost a
     zero-filled page fault per page of it)."""
-    buffer = getattr(_thread, "bounce", None)
+    buffer = getattr(_thread, "rows", None)
     if buffer is None or len(buffer) < nbytes:
-        buffer = _thread.bounce = mmap.mmap(-1, nbytes)
+        buffer = _thread.rows = mmap.mmap(-1, nbytes)
     return memoryview(buffer)
 
 
@@ -252,39 +311,36 @@ class StagedFile(RankfsFile):
         placed: dict[str, tuple[Slab, int]] = {}
         jobs = [(span.source.path, span.begin, span.end - span.begin, functools.partial(self._map_window, span, placed))
                 for span in staging.windows]  # (path, offset, bytes, callable), sorted into file order below
-        slab = None
+        landing = None
         try:
             if staging.in_slab:
-                slab = self._allocate(staging.size, staging.in_slab)
-                placed.update((name, (slab, staging.offsets[name])) for name in staging.in_slab)
-                buffer = memoryview(slab.tensor.numpy())
-                jobs += [(run.source.path, run.offset, run.length, functools.partial(self._read_run, run, buffer))
+                landing = self._allocate(staging.size, staging.in_slab)
+                placed.update((name, (landing.slab, staging.offsets[name])) for name in staging.in_slab)
+                jobs += [(run.source.path, run.offset, run.length, functools.partial(self._read_run, run, landing))
                          for run in staging.runs]
                 jobs += [(*self._where(name), self.span(name)[1],
-                          functools.partial(self._read_rows, name, buffer, staging.offsets[name]))
+                          functools.partial(self._read_rows, name, landing, staging.offsets[name]))
                          for name in staging.in_slab if self.block(name) is None]
-            self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2])))
+            self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2]), landing))
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
             made = {id(s): s.lease.reserved for s, _ in placed.values()}
             self._hook.budget.release(self._costs[group] - sum(made.values()))
             raise
-        if slab is not None:
-            self._hook.slabs.filled(slab)
-            if self._hook.on_device is not None:
-                self._upload(slab, staging, placed)
+        if landing is not None:
+            landing.filled()
         return placed
 
-    def _upload(self, slab: Slab, staging: Staging, placed: dict[str, tuple[Slab, int]]):
-        """Hand the group's slab out from GPU memory where the hook stages there (the host slab
-        then goes back for the next group)."""
-        on_device = self._hook.on_device.upload(slab, staging.size, staging.in_slab, self.path)
-        if on_device is not None:
-            placed.update((name, (on_device, staging.offsets[name])) for name in staging.in_slab)
-
-    def _allocate(self, size: int, names: list[str]):
-        slab = self._hook.slabs.allocate(size, names, self.path, on_death=self._slab_died)
+    def _allocate(self, size: int, names: list[str]) -> HostLanding | DeviceLanding:
+        """A slab for a group, in GPU memory where the hook stages there and the device has room."""
+        on_device = self._hook.on_device
+        slab = on_device.allocate(size, names, self.path, self._slab_died) if on_device is not None else None
+        if slab is not None:
+            landing = DeviceLanding(slab, on_device)
+        else:
+            landing = HostLanding(self._hook.slabs.allocate(size, names, self.path, on_death=self._slab_died),
+                                  self._hook.slabs)
         self._slab_born()
-        return slab
+        return landing
 
     def _map_window(self, span: Span, placed: dict[str, tuple[Slab, int]]):
         window = self._hook.slabs.window(span.source, span.begin, span.end, list(span.names), self.path,
@@ -309,27 +365,39 @@ class StagedFile(RankfsFile):
                 self._hook.holding.discard(self)
 
     @staticmethod
-    def _read_run(run: Run, buffer: memoryview):
+    def _read_run(run: Run, landing: HostLanding | DeviceLanding):
         where = f"{run.source.path}: tensor {run.first!r}"
-        done = run.source.read_into(buffer, run.at, run.offset, run.length, where)
-        if done < run.length:
-            raise _short(run.source.path, run.first, run.offset + done)
+        for begin in range(0, run.length, landing.piece or run.length):
+            nbytes = min(landing.piece or run.length, run.length - begin)
+            spot = landing.place(run.at + begin, nbytes)
+            if run.source.read_into(spot.buffer, spot.at, run.offset + begin, nbytes, where) < nbytes:
+                raise _short(run.source.path, run.first, run.offset + begin)
+            landing.landed(spot)
 
-    def _read_rows(self, name: str, buffer: memoryview, at: int):
+    def _read_rows(self, name: str, landing: HostLanding | DeviceLanding, at: int):
         """A slice spread over rows: whole rows through a bounded buffer, the rank's columns copied
-        out to buffer[at:] (every page of the rows holds kept bytes)."""
+        out to the slab from `at` (every page of the rows holds kept bytes), a landing's piece of
+        them at a time (the whole slice in a host slab)."""
         source, begin = self.locate(name)
         rows = self.rows(name)
-        per_read = min(rows.count, max(1, BOUNCE_BYTES // rows.row_bytes))
-        out = np.frombuffer(buffer[at:at + self.resident_bytes(name)], np.uint8).reshape(
-            rows.count, rows.keep_stop - rows.keep_start)
-        bounce = _bounce(align_up(per_read * rows.row_bytes) + 2 * PAGE)
+        kept = rows.keep_stop - rows.keep_start
+        per_read = min(rows.count, max(1, ROWS_BYTES // rows.row_bytes))
+        per_spot = rows.count if landing.piece is None else per_read * max(1, landing.piece // (per_read * kept))
+        whole_rows = _rows_buffer(align_up(per_read * rows.row_bytes) + 2 * PAGE)
+        spot = None
         for first in range(0, rows.count, per_read):
             count = min(per_read, rows.count - first)
             offset = begin + first * rows.row_bytes
             skip = offset % PAGE
-            if source.read_into(bounce, skip, offset, count * rows.row_bytes, f"{source.path}: tensor {name!r}") \
+            if source.read_into(whole_rows, skip, offset, count * rows.row_bytes, f"{source.path}: tensor {name!r}") \
                     < count * rows.row_bytes:
                 raise _short(source.path, name, offset)
-            out[first:first + count] = np.frombuffer(bounce[skip:skip + count * rows.row_bytes], np.uint8).reshape(
-                count, rows.row_bytes)[:, rows.keep_start:rows.keep_stop]
+            if first % per_spot == 0:
+                if spot is not None:
+                    landing.landed(spot)
+                spot = landing.place(at + first * kept, min(per_spot, rows.count - first) * kept)
+            into = spot.at + first * kept - (spot.slab_at - at)
+            np.frombuffer(spot.buffer[into:into + count * kept], np.uint8).reshape(count, kept)[:] = np.frombuffer(
+                whole_rows[skip:skip + count * rows.row_bytes], np.uint8).reshape(count, rows.row_bytes)[
+                :, rows.keep_start:rows.keep_stop]
+        landing.landed(spot)

@@ -1,7 +1,7 @@
 """The hook's slabs: a slab's budget is released the moment its last tensor dies, its buffer serves
 the next slab (never unmapped mid-load while the buffers fit the budget), one that would not fit is
 unmapped, nothing is kept after the load; a window of the page cache views it in place and is
-unmapped with its last tensor; a GPU slab takes over the budget of the host slab uploaded to it."""
+unmapped with its last tensor; a GPU slab is filled piece by piece through bounce buffers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 
 from dev.memstate import uncache
 from rankfs.loader.budget import Budget
+import rankfs.loader.device as device_module
 from rankfs.loader.device import DeviceSlabs
+from rankfs.loader.staged import DeviceLanding
 from rankfs.loader.slabs import SlabPool
 from rankfs.reader.io import PAGE, OpenFile
 
@@ -75,38 +77,47 @@ def test_a_window_views_the_page_cache_in_place_until_its_last_tensor_dies(tmp_p
         source.close()
 
 
-def test_a_gpu_slab_takes_over_its_host_slabs_budget_and_frees_its_buffer_with_its_last_view():
+def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_its_last_view(monkeypatch):
     """The GPU slabs' bookkeeping, run on host memory (the CUDA copy itself is checked on the GPU host
-    by `python3 -m dev gpu-load`): torch's DLPack deleter is what tells the pool a slab is dead."""
+    by `python3 -m dev gpu-load`): pieces land in a thread's two bounce buffers in turn, those next
+    to each other in the slab uploaded together while they fit; torch's DLPack deleter is what
+    tells the pool a slab is dead; a dead slab's buffer is written again only after a device
+    synchronization."""
+    monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)  # two pieces of 100 KiB to a bounce buffer
     budget = Budget(3 * MIB)
-    host = SlabPool(MIB, budget, pin=False, staging=True)
     device = DeviceSlabs(torch.device("cpu"), MIB, budget, wanted=lambda: True, retire=lambda b: b.close())
     deaths = []
-    data = torch.from_numpy(np.random.default_rng(5).integers(0, 256, MIB - 100, dtype=np.uint8))
+    data = np.random.default_rng(5).integers(0, 256, MIB - 100, dtype=np.uint8)
+
+    def fill(slab, nbytes, piece=100 << 10):
+        landing = DeviceLanding(slab, device)
+        for begin in range(0, nbytes, piece):  # pieces, as a read thread uploads them
+            spot = landing.place(begin, min(piece, nbytes - begin))
+            spot.buffer[spot.at:spot.at + spot.nbytes] = data[begin:begin + spot.nbytes].tobytes()
+            landing.landed(spot)
+        landing.flush()
 
     budget.reserve(MIB)
-    slab = host.allocate(MIB - 100, ["t"], "a.safetensors", on_death=lambda: deaths.append("t"))
-    slab.tensor.copy_(data)
-    uploaded = device.upload(slab, MIB - 100, ["t"], "a.safetensors")
-    assert torch.equal(uploaded.tensor, data) and uploaded.tensor.data_ptr() != slab.tensor.data_ptr()
-    host_buffer = slab.buffer
-    del slab  # the host buffer goes back at once; the budget stays with the GPU slab
-    assert host.alive() == [] and host._idle == [host_buffer] and budget.used == MIB and deaths == []
-    view = uploaded.tensor[10:20].view(torch.int16)
-    buffer = uploaded.buffer
-    del uploaded
+    slab = device.allocate(MIB - 100, ["t"], "a.safetensors", on_death=lambda: deaths.append("t"))
+    fill(slab, MIB - 100)
+    assert np.array_equal(slab.tensor.numpy(), data) and budget.used == MIB
+    bounce = device.bounce()
+    assert all(b is not None and len(b) < MIB for b in bounce.buffers)  # ten pieces: uploads from both in turn
+    view = slab.tensor[10:20].view(torch.int16)
+    buffer = slab.buffer
+    del slab
     assert device.pool.alive() == [("a.safetensors", ["t"])] and budget.used == MIB
     del view
     assert device.pool.alive() == [] and budget.used == 0 and deaths == ["t"] and device.pool._idle == [buffer]
 
     budget.reserve(MIB)
-    again = host.allocate(200, ["u"], "b.safetensors")
-    again.tensor.copy_(data[:200])
     synced = device.fence.count
-    reused = device.upload(again, 200, ["u"], "b.safetensors")
-    assert reused.buffer is buffer and device.fence.count == synced + 1  # written again only after a sync
-    assert torch.equal(reused.tensor, data[:200])
-    del again, reused
+    again = device.allocate(200, ["u"], "b.safetensors", on_death=None)
+    assert again.buffer is buffer and device.fence.count == synced + 1  # written again only after a sync
+    fill(again, 200)
+    assert np.array_equal(again.tensor.numpy(), data[:200])
+    del again
     device.pool.drop_idle()
-    host.drop_idle()
+    device.close_bounces()
     assert budget.used == 0 and device.pool._idle == [] and buffer.memory is None
+    assert bounce.buffers == [None, None] and device.bounce_bytes >= 512 << 10

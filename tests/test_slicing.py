@@ -12,12 +12,14 @@ import safetensors
 import torch
 
 import rankfs.loader as loader
+import rankfs.loader.hook as hook_module
 from conftest import mounted
 from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
 from dev.fixtures import deepseek_v4
 from dev.memstate import MIB, cached_bytes, rss_bytes, uncache
 from rankfs import contract
 from rankfs.loader.guard import SliceMismatch
+from rankfs.loader.staged import DeviceLanding
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.profiles import BY_NAME
@@ -318,5 +320,39 @@ def test_loads_into_host_memory_map_the_files_the_page_cache_holds_and_read_the_
             loader.release("target")
         assert_same(got, {n: t for n, t in load_like_engine(tiny_checkpoint, engine_layout(4, 1, 1),
                                                              tiny_checkpoint).items() if not n.startswith("mtp.")})
+    finally:
+        loader.deactivate()
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("sources", ["cached", "uncached"])
+def test_groups_staged_on_a_device_arrive_through_bounce_buffers_piece_by_piece(tiny_checkpoint, mount_dir,
+                                                                                monkeypatch, sources):
+    """The GPU path's data movement, with host memory standing in for the GPU's (the CUDA copies are
+    checked on the GPU host by `python3 -m dev gpu-load`): runs read in pieces (direct reads where the
+    page cache does not hold them, each at its place within a page) and rows of slices compacted
+    into a thread's two bounce buffers in turn, each piece uploaded to its place in the group's
+    slab. The load's bytes are the stock load's; after the release nothing is held."""
+    monkeypatch.setattr(hook_module, "loading_device", lambda setting: torch.device("cpu"))
+    monkeypatch.setattr(DeviceLanding, "piece", 64 << 10)  # many pieces per run, and runs ending mid-piece
+    monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
+    layout = engine_layout(4, 1, 1)
+    want = {n: t.clone() for n, t in load_like_engine(tiny_checkpoint, layout, tiny_checkpoint).items()
+            if not n.startswith("mtp.")}
+    loader.activate("on")
+    try:
+        with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+            counts = expert_counts(shard_files(tiny_checkpoint), PROFILE)
+            if sources == "uncached":
+                uncache(shard_files(tiny_checkpoint))
+            got = load_like_engine(mount_dir / "target", layout, tiny_checkpoint, counts)
+            hook = loader.current()
+            assert hook.on_device.pool.stats.slabs > 0 and hook.slabs.stats.slabs == 0  # every group on the device
+            assert_same(got, want)
+            del got
+            figures = loader.release("target")
+        assert figures["staged_on"] == "cpu" and figures["slabs_alive"] == 0 and figures["windows"] == 0
+        assert figures["peak_host_bytes"] > 0 and figures["pinned_bytes"] == 0 and hook.budget.used == 0
+        assert hook.on_device.pool.stats.held_bytes == 0
     finally:
         loader.deactivate()

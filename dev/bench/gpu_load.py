@@ -1,13 +1,14 @@
 """End-to-end load into CUDA memory: the stock path (mmap of the original files, pageable copies)
-against the rankfs view through the hook (pinned slabs), each in a process of its own.
+against the rankfs view through the hook (staged on the GPU; page-locked host slabs with
+RANKFS_HOOK_DEVICE=cpu), each in a process of its own.
 
     python3 -m dev.bench.gpu_load CHECKPOINT MOUNTPOINT [--tp-size 4 --tp-rank 1 --ep-size 1] [--warm]
 
 Mounts the rank's view, loads it both ways with the engine-like loader, checks that every parameter
 is bitwise equal (digests of the GPU bytes), and prints the memory figures after each load: RSS,
 MemAvailable lost, CUDA reserved, and for the hook its release report (slabs, windows, pinned,
-leftovers). Each load starts with the sources out of the page cache, or with `--warm` in it (the
-hook then stages them as windows of the page cache where it can).
+leftovers). Each load starts with the sources out of the page cache (the hook reads them with
+O_DIRECT), or with `--warm` in it.
 """
 
 from __future__ import annotations
