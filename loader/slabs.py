@@ -147,10 +147,24 @@ class Lease:
 
 class Slab:
     """A uint8 tensor that every tensor handed out from a buffer views, its `lease`, and the buffer
-    (None on the GPU; the names are kept by the pool, for the report of leftovers)."""
+    (the names are kept by the pool, for the report of leftovers)."""
 
     def __init__(self, tensor: torch.Tensor, lease: Lease, buffer: Buffer | None = None):
         self.tensor, self.lease, self.buffer = tensor, lease, buffer
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the slab as each dtype handed out
+
+    def view(self, at: int, dtype: torch.dtype, shape: list[int], strides: list[int]) -> torch.Tensor:
+        """The contiguous tensor whose bytes start at `at` (a multiple of the dtype's size): one
+        torch call on a view of the whole slab as that dtype, not three on its bytes. Each torch
+        call on the hook's threads lets the GIL go and waits to take it back, behind the loader's
+        loop and every other thread."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            whole = self.tensor.numel() - self.tensor.numel() % dtype.itemsize
+            as_dtype = self.tensor[:whole].view(dtype)
+            typed = self._typed[dtype] = (as_dtype, as_dtype.storage_offset())
+        as_dtype, origin = typed
+        return as_dtype.as_strided(shape, strides, origin + at // dtype.itemsize)
 
 
 @dataclass

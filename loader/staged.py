@@ -207,6 +207,14 @@ def _rows_buffer(nbytes: int) -> memoryview:
     return memoryview(buffer)
 
 
+def contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
 def _short(where: str, name: str, offset: int) -> OSError:
     return OSError(f"{where}: tensor {name!r}: short read at offset {offset}; the file was truncated")
 
@@ -219,6 +227,7 @@ class StagedFile(RankfsFile):
         # Worked out once, not on each hand-out: the loader's loop waits for the GIL behind this.
         self._shapes = {name: (self.resident_bytes(name), self.resident_shape(name)) for group in self.groups
                         for name in group}
+        self._strides = {name: contiguous_strides(shape) for name, (_, shape) in self._shapes.items()}
         self._group_spans = [sum(self.span(name)[1] for name in group) for group in self.groups]
         self._stagings = [self._plan(group) for group in self.groups]
         self._costs = [self._cost(staging) for staging in self._stagings]
@@ -241,10 +250,9 @@ class StagedFile(RankfsFile):
                 self._done_handing_out()
         slab, at = placed[name]
         nbytes, shape = self._shapes[name]
-        data = slab.tensor[at:at + nbytes]
         if at % dtype.itemsize:  # a tensor not aligned to its type in the file (legal, rare)
-            data = data.clone()
-        return data.view(dtype).reshape(shape)
+            return slab.tensor[at:at + nbytes].clone().view(dtype).reshape(shape)
+        return slab.view(at, dtype, shape, self._strides[name])
 
     def close(self):
         # An unrequested slab would stay alive with its future: drop them all.
