@@ -136,21 +136,13 @@ class Buffer(Protocol):
     def close(self): ...
 
 
-class Lease:
-    """What a slab's death gives back: budget, and a callback."""
-
-    __slots__ = ("reserved", "on_death")
-
-    def __init__(self, reserved: int = 0, on_death: Callable[[], None] | None = None):
-        self.reserved, self.on_death = reserved, on_death
-
-
 class Slab:
-    """A uint8 tensor that every tensor handed out from a buffer views, its `lease`, and the buffer
-    (the names are kept by the pool, for the report of leftovers)."""
+    """A uint8 tensor that every tensor handed out from a buffer views, the budget its death
+    releases (`reserved`), and the buffer (the names are kept by the pool, for the report of
+    leftovers)."""
 
-    def __init__(self, tensor: torch.Tensor, lease: Lease, buffer: Buffer | None = None):
-        self.tensor, self.lease, self.buffer = tensor, lease, buffer
+    def __init__(self, tensor: torch.Tensor, reserved: int, buffer: Buffer):
+        self.tensor, self.reserved, self.buffer = tensor, reserved, buffer
         self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the slab as each dtype handed out
 
     def view(self, at: int, dtype: torch.dtype, shape: list[int], strides: list[int]) -> torch.Tensor:
@@ -206,7 +198,7 @@ class SlabPool:
         and released by its death (then on_death() runs too)."""
         size = self.footprint(nbytes)
         buffer = self._reuse(size) or self._held(self.make(size))
-        return self._slab(buffer, nbytes, size, names, file, Lease(size, on_death))
+        return self._slab(buffer, nbytes, size, names, file, on_death)
 
     def window(self, source: OpenFile, begin: int, end: int, names: list[str], file: str,
                on_death: Callable[[], None] | None = None) -> Slab:
@@ -228,7 +220,7 @@ class SlabPool:
         with self._lock:
             self.stats.windows += 1
             self.stats.window_bytes += len(window)
-        return self._slab(window, len(window), len(window), names, file, Lease(len(window), on_death))
+        return self._slab(window, len(window), len(window), names, file, on_death)
 
     def _held(self, buffer: Buffer, sign: int = 1) -> Buffer:
         with self._lock:
@@ -236,7 +228,8 @@ class SlabPool:
             self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.held_bytes)
         return buffer
 
-    def _slab(self, buffer: Buffer, nbytes: int, size: int, names: list[str], file: str, lease: Lease) -> Slab:
+    def _slab(self, buffer: Buffer, nbytes: int, size: int, names: list[str], file: str,
+              on_death: Callable[[], None] | None) -> Slab:
         slab_id = next(self._ids)
         with self._lock:
             self._live[slab_id] = (file, names, buffer)
@@ -245,10 +238,10 @@ class SlabPool:
             self.stats.file_bytes[file] = self.stats.file_bytes.get(file, 0) + size
 
         def died():
-            self._died(slab_id, buffer, lease.reserved)
-            if lease.on_death is not None:
-                lease.on_death()
-        return Slab(buffer.view(nbytes, died), lease, buffer)
+            self._died(slab_id, buffer, size)
+            if on_death is not None:
+                on_death()
+        return Slab(buffer.view(nbytes, died), size, buffer)
 
     def filled(self, slab: Slab):
         """A slab's reads are done: page-lock it for DMA when the pool pins."""
@@ -270,8 +263,7 @@ class SlabPool:
                 self._idle.append(buffer)
         else:
             self.retire(self._held(buffer, -1))
-        if reserved:
-            self.budget.release(reserved)
+        self.budget.release(reserved)
 
     def _reuse(self, nbytes: int) -> Buffer | None:
         """An idle buffer that holds nbytes without wasting more than a quarter of it (a slab's: one

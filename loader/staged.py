@@ -331,7 +331,7 @@ class StagedFile(RankfsFile):
                          for name in staging.in_slab if self.block(name) is None]
             self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2]), landing))
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
-            made = {id(s): s.lease.reserved for s, _ in placed.values()}
+            made = {id(s): s.reserved for s, _ in placed.values()}
             self._hook.budget.release(self._costs[group] - sum(made.values()))
             raise
         if landing is not None:
@@ -375,8 +375,9 @@ class StagedFile(RankfsFile):
     @staticmethod
     def _read_run(run: Run, landing: HostLanding | DeviceLanding):
         where = f"{run.source.path}: tensor {run.first!r}"
-        for begin in range(0, run.length, landing.piece or run.length):
-            nbytes = min(landing.piece or run.length, run.length - begin)
+        piece = landing.piece or run.length
+        for begin in range(0, run.length, piece):
+            nbytes = min(piece, run.length - begin)
             spot = landing.place(run.at + begin, nbytes)
             if run.source.read_into(spot.buffer, spot.at, run.offset + begin, nbytes, where) < nbytes:
                 raise _short(run.source.path, run.first, run.offset + begin)
