@@ -6,7 +6,8 @@ tests/test_engines.py, under `rankfs run` or not.
 
 JOBS_JSON: [{"directory", "phase": "target"|"draft", "layout": MoELayout fields, "counts": {expert
 group: experts}, "device": "cpu" (default) or "cuda", "uncache": [files to drop from the page cache
-first]}, ...], loaded in order in this one process.
+first]}, ...], loaded in order in this one process. ENGINE_DRIVER_STAGE_ON=host: the hook stages as
+it does on a GPU (bounce buffers into device slabs), host memory standing in for the GPU's.
 Prints one JSON line per load: the parameters' digests, the releases the hook had made when the load
 returned (with their figures), and the process's threads.
 """
@@ -102,6 +103,9 @@ def digest(tensor: torch.Tensor) -> str:
 
 def main(engine: str, jobs: list[dict]):
     load = sglang() if engine == "sglang" else vllm(sorted({job["directory"] for job in jobs}))
+    if os.environ.get("ENGINE_DRIVER_STAGE_ON") == "host":
+        import rankfs.loader.hook
+        rankfs.loader.hook.loading_device = lambda setting: torch.device("cpu")
     for job in jobs:
         device = job.get("device", "cpu")
         uncache(job.get("uncache", []))
@@ -114,7 +118,8 @@ def main(engine: str, jobs: list[dict]):
                           "releases": [r["phase"] for r in hook.releases] if hook else [],
                           "slabs_alive": [r["slabs_alive"] for r in hook.releases] if hook else [],
                           "release_figures": [{k: r[k] for k in ("pinned", "pinned_bytes", "peak_slab_bytes", "slabs",
-                                                                 "slab_requests", "windows", "cuda_reserved",
+                                                                 "slab_requests", "windows", "staged_on",
+                                                                 "cuda_reserved",
                                                                  "nvml_process")}
                                               for r in hook.releases] if hook else [],
                           "threads": threading.active_count()}), flush=True)

@@ -70,14 +70,15 @@ def mounts(tiny_checkpoint, tmp_path_factory):
         yield {"ep1-sliced": sliced, "ep2": ep2}
 
 
-@pytest.mark.parametrize("path", ["map", "slab", "auto"])
+@pytest.mark.parametrize("path", ["map", "slab", "auto", "device"])
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_each_load_is_released_once_when_it_returns(tiny_checkpoint, mounts, engine, path):
     # 1 MiB slabs: the cached experts' runs (64 KiB and more) are windows of the page cache, the rest slabs.
     # auto (the default): every other source shard dropped from the page cache before each load of a
     # view, so that those files are staged and the others mapped.
+    # device: staged as on a GPU (bounce buffers into device slabs), host memory standing in for its.
     env = {"map": {"RANKFS_HOOK_MAP": "on"}, "slab": {"RANKFS_HOOK_MAP": "off", "RANKFS_HOOK_SLAB_MB": "1"},
-           "auto": {}}[path]
+           "auto": {}, "device": {"ENGINE_DRIVER_STAGE_ON": "host", "RANKFS_HOOK_SLAB_MB": "1"}}[path]
     jobs = jobs_for(tiny_checkpoint, mounts)
     if path == "auto":
         jobs = [dict(job, uncache=shard_files(tiny_checkpoint)[::2]) if job["directory"] != str(tiny_checkpoint)
@@ -87,6 +88,7 @@ def test_each_load_is_released_once_when_it_returns(tiny_checkpoint, mounts, eng
     staged = [figures for r in reports for figures in r["release_figures"]]
     assert (path == "slab") == any(f["windows"] for f in staged) and all(f["slabs"] >= f["windows"] for f in staged)
     assert (path == "map") != any(f["slab_requests"] for f in staged)
+    assert all(f["staged_on"] == ("cpu" if path == "device" else "host") for f in staged)
     for name, mountpoint in mounts.items():  # every byte came from the sources, nothing read ahead twice
         status = json.loads(rankfs("status", mountpoint, "--json").stdout)
         assert status["prefetch_loads"] == 0 and status["pushed_bytes"] == 0
