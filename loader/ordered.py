@@ -19,6 +19,9 @@ from typing import Callable
 from rankfs.loader.budget import Budget
 
 
+_thread = threading.local()
+
+
 class _Job:
     __slots__ = ("key", "sequence", "future", "fn", "args", "cost", "urgent", "part")
 
@@ -96,24 +99,29 @@ class OrderedExecutor:
         """Run every job (a callable) on this thread and on whichever others are free for them
         (queued under key + (i,), before any later key); return when all are done, raising the
         first error. Until they are, this thread runs the first part of any group queued, its own
-        or one the loader needs sooner: threads that took groups read ahead (eight at the start of
-        a load) would otherwise each read their own, and the file the loader waits for would get
-        one thread of eight. It never waits on queued work, only on jobs running."""
+        or one the loader needs sooner, and starts a group the loader needs sooner: threads that
+        took groups read ahead (eight at the start of a load) would otherwise each read their own,
+        and the file the loader waits for would get one thread of eight, or none. It never waits
+        on queued work, only on jobs running."""
         parts = [self._enqueue((*key, i), job, (), part=True) for i, job in enumerate(jobs)]
         while not all(part.done() for part in parts):
-            part = self._next_part()
-            if part is None:
+            with self._ready:
+                # Once per thread, no deeper: when every thread holds a group, the file the loader
+                # waits for could not start before one of them is done (0.2 s on the H200 host,
+                # sliced experts, 24 GB).
+                job = self._admissible(sooner_than=key, parts_only=getattr(_thread, "nested", False))
+            if job is None:
                 break
-            part.run()
+            if job.part:
+                job.run()
+                continue
+            _thread.nested = True
+            try:
+                self._run(job)
+            finally:
+                _thread.nested = False
         for part in parts:
             part.result()
-
-    def _next_part(self) -> _Job | None:
-        with self._ready:
-            for i, job in enumerate(self._queue):
-                if job.part and not job.future.cancelled():
-                    return self._queue.pop(i)
-        return None
 
     def shutdown(self):
         """Cancel what has not started, wait for what has; chores left are run here."""
@@ -129,18 +137,24 @@ class OrderedExecutor:
         for fn in chores:
             fn()
 
-    def _admissible(self) -> _Job | None:
+    def _admissible(self, sooner_than: tuple | None = None, parts_only: bool = False) -> _Job | None:
         """The next job to run, its cost reserved: the first costless one, or the first costly one
         if the budget has room for it or it is urgent (called holding the lock). Costly jobs after
-        the first held back wait too: admission follows the loaders' order."""
+        the first held back wait too: admission follows the loaders' order. For a thread inside
+        run_all (`sooner_than`, its group's key): parts of groups' reads, and other jobs only with
+        a key before its group's (a later one would hold its group's end back), or none
+        (parts_only)."""
         held_back, i = None, 0
-        self._held_back = False
+        if sooner_than is None:
+            self._held_back = False
         while i < len(self._queue):
             job = self._queue[i]
             if job.future.cancelled():
                 del self._queue[i]
                 continue
             i += 1
+            if not job.part and sooner_than is not None and (parts_only or not job.key < sooner_than):
+                continue
             if job.cost and self._budget is not None:
                 if held_back is not None:
                     continue
@@ -170,5 +184,9 @@ class OrderedExecutor:
             if chore is not None:
                 chore()
                 continue
-            if not job.run() and job.cost and self._budget is not None:
-                self._budget.release(job.cost)
+            self._run(job)
+
+    def _run(self, job: _Job):
+        """Run an admitted job; a cancelled one gives its reserved cost back."""
+        if not job.run() and job.cost and self._budget is not None:
+            self._budget.release(job.cost)

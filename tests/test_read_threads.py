@@ -54,6 +54,28 @@ def test_a_group_read_by_every_free_thread_completes_even_when_all_are_busy_with
     pool.shutdown()
 
 
+def test_a_group_the_loader_needs_sooner_starts_on_a_thread_inside_a_group():
+    """Every thread is inside a group (one thread here): a group with a lower key, submitted
+    meanwhile (the loader opened the file it consumes first last), starts on that thread before
+    the rest of its group's reads, not once that group is done; a group with a higher key waits
+    (it would hold back the end of the group the loader needs first)."""
+    pool = OrderedExecutor(1, "test", Budget(10))
+    ran, opened = [], []
+
+    def group(name, parts):
+        pool.run_all((name, 0), parts)
+        ran.append(f"{name} done")
+
+    def open_files():
+        opened.extend(pool.submit((name, 0), group, name, [lambda name=name: ran.append(f"{name} read")], cost=1)
+                      for name in ("c", "a"))
+    pool.submit(("b", 0), group, "b", [open_files, lambda: ran.append("b read")], cost=1).result(timeout=10)
+    for future in opened:
+        future.result(timeout=10)
+    assert ran == ["a read", "a done", "b read", "b done", "c read", "c done"]
+    pool.shutdown()
+
+
 def test_reads_ahead_are_admitted_in_order_as_the_budget_has_room_or_when_urgent():
     budget = Budget(2)
     pool = OrderedExecutor(4, "test", budget)
