@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import queue
 import threading
 from typing import Callable
 
@@ -136,13 +137,58 @@ class _Pending:
         self.index, self.target, self.begin, self.end, self.offset = index, target, begin, begin, offset
 
 
+class BounceBuffers:
+    """The read threads' bounce buffers, made and page-locked ahead on a thread of their own while
+    the loader opens its first files: locking one is a driver call of about 10 ms on the H200 host,
+    and sixteen of them stood between the read threads and their first uploads."""
+
+    def __init__(self, count: int, pin: bool):
+        self.pin = pin
+        self.nbytes = PIECE_BYTES + 2 * PAGE  # a piece, and the partial pages around it a direct read fills
+        self._ready: queue.SimpleQueue[HostBuffer] = queue.SimpleQueue()
+        self._left = count  # not yet taken
+        self._lock = threading.Lock()
+        self._maker = threading.Thread(target=self._make, args=(count,), name="rankfs-bounce", daemon=True)
+        self._maker.start()
+
+    def _make(self, count: int):
+        for _ in range(count):
+            self._ready.put(self.new(self.nbytes))
+
+    def new(self, nbytes: int) -> HostBuffer:
+        buffer = HostBuffer(nbytes)
+        if self.pin:
+            buffer.pin()
+        return buffer
+
+    def take(self, nbytes: int) -> HostBuffer:
+        """A buffer of nbytes at least: one made ahead (waiting for it if it is being made), or a
+        new one for a row larger than a piece."""
+        with self._lock:
+            made_ahead = nbytes <= self.nbytes and self._left > 0
+            self._left -= made_ahead
+        return self._ready.get() if made_ahead else self.new(max(nbytes, self.nbytes))
+
+    @property
+    def idle_bytes(self) -> int:
+        """Made and not taken yet."""
+        return self._ready.qsize() * self.nbytes
+
+    def close(self):
+        """Unpin and unmap those never taken."""
+        self._maker.join()
+        while not self._ready.empty():
+            self._ready.get().close()
+
+
 class Bounce:
     """A read thread's two page-locked buffers and its stream: reads land in one while the other
     uploads. Reads that come next to each other in a slab share an upload while they fit: each
     upload takes the GIL a few times, which the loader's loop waits for."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, buffers: BounceBuffers):
         """Made on the read thread it serves: its stream becomes the thread's current one."""
+        self.spare = buffers
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.stream is not None:
             torch.cuda.set_stream(self.stream)  # no stream context per upload: fewer calls that take the GIL
@@ -187,9 +233,7 @@ class Bounce:
             self.uploads[i].synchronize()
         if self.buffers[i] is None or len(self.buffers[i]) < nbytes:  # a row of a slice larger than a piece
             self._close(i)
-            self.buffers[i] = HostBuffer(max(nbytes, PIECE_BYTES + 2 * PAGE))
-            if self.stream is not None:
-                self.buffers[i].pin()
+            self.buffers[i] = self.spare.take(nbytes)
             self.tensors[i] = torch.frombuffer(self.buffers[i].map, dtype=torch.uint8)
         return i
 
@@ -231,7 +275,14 @@ class DeviceSlabs:
         self.failed = False  # the device ran out of memory once: groups stay in host slabs from then on
         self.bounce_bytes = 0  # page-locked in bounce buffers, at the most
         self._bounces: dict[int, Bounce] = {}  # per read thread
+        self._buffers: BounceBuffers | None = None
         self._lock = threading.Lock()
+
+    def prepare_bounces(self, threads: int):
+        """A load starts: make its read threads' bounce buffers (two each) ahead."""
+        with self._lock:
+            if self._buffers is None:
+                self._buffers = BounceBuffers(2 * threads, pin=self.device.type == "cuda")
 
     @property
     def staged_on(self) -> str:
@@ -259,20 +310,27 @@ class DeviceSlabs:
         bounce = self._bounces.get(key)
         if bounce is None:
             with self._lock:
-                bounce = self._bounces[key] = Bounce(self.device)
+                if self._buffers is None:  # staged without a read thread's load (tests drive it so)
+                    self._buffers = BounceBuffers(0, pin=self.device.type == "cuda")
+                bounce = self._bounces[key] = Bounce(self.device, self._buffers)
         return bounce
 
     def close_bounces(self):
         """Unpin and unmap the bounce buffers (the read threads are stopped)."""
         with self._lock:
             bounces, self._bounces = list(self._bounces.values()), {}
-            self.bounce_bytes = max(self.bounce_bytes, sum(b.nbytes for b in bounces))
+            buffers, self._buffers = self._buffers, None
+            self.bounce_bytes = max(self.bounce_bytes, sum(b.nbytes for b in bounces)
+                                    + (buffers.idle_bytes if buffers is not None else 0))
         for bounce in bounces:
             bounce.close()
+        if buffers is not None:
+            buffers.close()
 
     def pinned_bytes(self) -> int:
         with self._lock:
-            return sum(b.nbytes for b in self._bounces.values() if b.stream is not None)
+            idle = self._buffers.idle_bytes if self._buffers is not None and self._buffers.pin else 0
+            return idle + sum(b.nbytes for b in self._bounces.values() if b.stream is not None)
 
 
 def loading_device(setting: str) -> torch.device | None:

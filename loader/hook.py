@@ -91,8 +91,10 @@ class Hook:
         with self._lock:  # the threads this kind of file needs, at its first (or its first after a release)
             if mapped:
                 self.map_executor = self.map_executor or OrderedExecutor(MAP_READERS, "rankfs-map", self.budget)
-            else:
-                self.executor = self.executor or OrderedExecutor(self.settings.threads, "rankfs-read", self.budget)
+            elif self.executor is None:
+                self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget)
+                if self.on_device is not None:
+                    self.on_device.prepare_bounces(self.settings.threads)
         return MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)
 
     def _maps_file(self, placement: dict) -> bool:

@@ -1,7 +1,8 @@
 """The hook's slabs: a slab's budget is released the moment its last tensor dies, its buffer serves
 the next slab (never unmapped mid-load while the buffers fit the budget), one that would not fit is
 unmapped, nothing is kept after the load; a window of the page cache views it in place and is
-unmapped with its last tensor; a GPU slab is filled piece by piece through bounce buffers."""
+unmapped with its last tensor; a GPU slab is filled piece by piece through bounce buffers, made
+ahead."""
 
 from __future__ import annotations
 
@@ -121,3 +122,16 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
     device.close_bounces()
     assert budget.used == 0 and device.pool._idle == [] and buffer.memory is None
     assert bounce.buffers == [None, None] and device.bounce_bytes >= 512 << 10
+
+
+def test_bounce_buffers_are_made_ahead_and_those_never_taken_are_unmapped(monkeypatch):
+    monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)
+    spare = device_module.BounceBuffers(2, pin=False)
+    made = [spare.take(100 << 10), spare.take(256 << 10)]  # the two made ahead
+    row = spare.take(MIB)  # a row larger than a piece: a buffer of its own
+    assert [len(b) for b in made] == [(256 << 10) + 2 * PAGE] * 2 and len(row) == MIB
+    assert len(spare.take(PAGE)) == (256 << 10) + 2 * PAGE and spare.idle_bytes == 0  # made now: none left
+    ahead = device_module.BounceBuffers(3, pin=False)
+    ahead.take(PAGE)
+    ahead.close()
+    assert ahead.idle_bytes == 0
