@@ -188,7 +188,7 @@ class Bounce:
 
     def __init__(self, device: torch.device, buffers: BounceBuffers):
         """Made on the read thread it serves: its stream becomes the thread's current one."""
-        self.spare = buffers
+        self.supply = buffers  # where its buffers come from
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.stream is not None:
             torch.cuda.set_stream(self.stream)  # no stream context per upload: fewer calls that take the GIL
@@ -233,7 +233,7 @@ class Bounce:
             self.uploads[i].synchronize()
         if self.buffers[i] is None or len(self.buffers[i]) < nbytes:  # a row of a slice larger than a piece
             self._close(i)
-            self.buffers[i] = self.spare.take(nbytes)
+            self.buffers[i] = self.supply.take(nbytes)
             self.tensors[i] = torch.frombuffer(self.buffers[i].map, dtype=torch.uint8)
         return i
 

@@ -126,11 +126,11 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
 
 def test_bounce_buffers_are_made_ahead_and_those_never_taken_are_unmapped(monkeypatch):
     monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)
-    spare = device_module.BounceBuffers(2, pin=False)
-    made = [spare.take(100 << 10), spare.take(256 << 10)]  # the two made ahead
-    row = spare.take(MIB)  # a row larger than a piece: a buffer of its own
+    supply = device_module.BounceBuffers(2, pin=False)
+    made = [supply.take(100 << 10), supply.take(256 << 10)]  # the two made ahead
+    row = supply.take(MIB)  # a row larger than a piece: a buffer of its own
     assert [len(b) for b in made] == [(256 << 10) + 2 * PAGE] * 2 and len(row) == MIB
-    assert len(spare.take(PAGE)) == (256 << 10) + 2 * PAGE and spare.idle_bytes == 0  # made now: none left
+    assert len(supply.take(PAGE)) == (256 << 10) + 2 * PAGE and supply.idle_bytes == 0  # made now: none left
     ahead = device_module.BounceBuffers(3, pin=False)
     ahead.take(PAGE)
     ahead.close()
