@@ -305,13 +305,11 @@ class DeviceSlabs:
         return slab
 
     def bounce(self) -> Bounce:
-        """This read thread's bounce buffers."""
+        """This read thread's bounce buffers (the load's are prepared)."""
         key = threading.get_ident()
         bounce = self._bounces.get(key)
         if bounce is None:
             with self._lock:
-                if self._buffers is None:  # staged without a read thread's load (tests drive it so)
-                    self._buffers = BounceBuffers(0, pin=self.device.type == "cuda")
                 bounce = self._bounces[key] = Bounce(self.device, self._buffers)
         return bounce
 

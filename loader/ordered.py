@@ -109,7 +109,7 @@ class OrderedExecutor:
                 # Once per thread, no deeper: when every thread holds a group, the file the loader
                 # waits for could not start before one of them is done (0.2 s on the H200 host,
                 # sliced experts, 24 GB).
-                job = self._admissible(sooner_than=key, parts_only=getattr(_thread, "nested", False))
+                job = self._admissible(sooner_than=() if getattr(_thread, "nested", False) else key)
             if job is None:
                 break
             if job.part:
@@ -137,13 +137,13 @@ class OrderedExecutor:
         for fn in chores:
             fn()
 
-    def _admissible(self, sooner_than: tuple | None = None, parts_only: bool = False) -> _Job | None:
+    def _admissible(self, sooner_than: tuple | None = None) -> _Job | None:
         """The next job to run, its cost reserved: the first costless one, or the first costly one
         if the budget has room for it or it is urgent (called holding the lock). Costly jobs after
         the first held back wait too: admission follows the loaders' order. For a thread inside
-        run_all (`sooner_than`, its group's key): parts of groups' reads, and other jobs only with
-        a key before its group's (a later one would hold its group's end back), or none
-        (parts_only)."""
+        run_all (`sooner_than`, its group's key; () where it may start none): parts of groups'
+        reads, and other jobs only with a key before its group's (a later one would hold its
+        group's end back)."""
         held_back, i = None, 0
         if sooner_than is None:
             self._held_back = False
@@ -153,7 +153,7 @@ class OrderedExecutor:
                 del self._queue[i]
                 continue
             i += 1
-            if not job.part and sooner_than is not None and (parts_only or not job.key < sooner_than):
+            if not job.part and sooner_than is not None and not job.key < sooner_than:
                 continue
             if job.cost and self._budget is not None:
                 if held_back is not None:

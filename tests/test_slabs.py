@@ -87,6 +87,7 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
     monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)  # two pieces of 100 KiB to a bounce buffer
     budget = Budget(3 * MIB)
     device = DeviceSlabs(torch.device("cpu"), MIB, budget, wanted=lambda: True, retire=lambda b: b.close())
+    device.prepare_bounces(1)  # as a load's first staged file does
     deaths = []
     data = np.random.default_rng(5).integers(0, 256, MIB - 100, dtype=np.uint8)
 
