@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 from rankfs import contract
 from rankfs.reader.io import OpenFile, willneed_reach
@@ -28,7 +29,9 @@ class ViewProgress:
         self._reported_at = 0.0
         self._lock = threading.Lock()
         self._silent = False
-        self.flush()  # at once: the daemon stops reading ahead what this process reads itself
+        # At once, so that the daemon stops reading ahead what this process reads itself, but not on
+        # the thread opening the view's first file: the write waits for the daemon to answer.
+        threading.Thread(target=self.flush, name="rankfs-report", daemon=True).start()
 
     def add(self, nbytes: int):
         with self._lock:
@@ -58,12 +61,16 @@ class DaemonLink:
         self._sources: dict[str, OpenFile] = {}  # source path -> the file (checked unchanged at open)
         self.willneed_reach: dict[str, int] = {}  # source path -> bytes one WILLNEED reads
         self._progress: dict[str, ViewProgress] = {}  # view directory path -> its progress
+        # Asked of the mount once per load, not per file: each is a FUSE round trip or several,
+        # and the loader's eight open threads wait on them before the first tensor.
+        self._roots: dict[str, str] = {}  # view directory path -> its mount point
+        self._rank_views: dict[str, bool] = {}  # directory of views -> whether it has rank-R/ views
 
     def placement(self, path: str) -> dict[str, tuple[OpenFile, int]] | None:
         """Where a view file's tensors lie in the source shards, opened: {tensor: (source, offset
         of its first byte)}. None when the mount does not say, or a source cannot be read here or has changed since it was mounted: the hook then
         reads the view itself (and the daemon serves it)."""
-        mountpoint = contract.mount_root(path)
+        mountpoint = self.mount_root(path)
         map_file = contract.sources_path(mountpoint, os.path.relpath(os.path.dirname(path), mountpoint))
         try:
             with self._lock:
@@ -89,6 +96,27 @@ class DaemonLink:
                 self.willneed_reach[source.path] = willneed_reach(source.path)
             return opened
 
+    def mount_root(self, path: str) -> str:
+        """The mount point a view file lies under."""
+        view_dir = os.path.dirname(path)
+        root = self._roots.get(view_dir)
+        if root is None:
+            root = self._roots[view_dir] = contract.mount_root(view_dir)
+        return root
+
+    def own_rank_path(self, path: str, rank: Callable[[], int]) -> str | None:
+        """A shard of the view shared by a mount's local ranks (MNT/target/X) is read from this rank's
+        own view (MNT/rank-R/target/X, R from `rank()`); None when this rank's view has no such shard."""
+        view_dir = os.path.dirname(path)
+        root = os.path.dirname(view_dir)
+        shared = self._rank_views.get(root)
+        if shared is None:
+            shared = self._rank_views[root] = os.path.isdir(os.path.join(root, "rank-0"))
+        if not shared:
+            return path
+        own = os.path.join(root, f"rank-{rank()}", os.path.basename(view_dir), os.path.basename(path))
+        return own if os.path.exists(own) else None
+
     def source(self, source_path: str) -> OpenFile:
         """A source a placement opened."""
         with self._lock:
@@ -99,7 +127,7 @@ class DaemonLink:
         view_path = os.path.dirname(path)
         with self._lock:
             if view_path not in self._progress:
-                mountpoint = contract.mount_root(path)
+                mountpoint = self.mount_root(path)
                 self._progress[view_path] = ViewProgress(mountpoint, os.path.relpath(view_path, mountpoint))
             return self._progress[view_path]
 
@@ -122,6 +150,8 @@ class DaemonLink:
             self._sources.clear()
             self._maps.clear()
             self._progress.clear()
+            self._roots.clear()
+            self._rank_views.clear()
 
 
 def drop_daemons(paths: set[str]):

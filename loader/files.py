@@ -49,7 +49,9 @@ class RankfsFile:
                       for name, slc in self._slices.items() if name in self._entries}
         self._on_demand = set(json.loads(meta.get(contract.ON_DEMAND_KEY, "[]")))
         self._placement = placement  # {tensor: (source OpenFile, offset)}, or None: read the view file
-        self._view = OpenFile(path, direct=False)
+        # The view itself only where something is read from it (its open is a FUSE round trip).
+        from_view = placement is None or any(name not in placement for name in self._on_demand)
+        self._view = OpenFile(path, direct=False) if from_view else None
         # Bytes read from the sources bypass the mount: the daemon hears of them from the hook.
         self._progress = hook.link.progress(path) if placement is not None else None
         eager = [n for n in sorted(self._entries) if n not in self._on_demand]
@@ -90,7 +92,8 @@ class RankfsFile:
     def close(self):
         if self._progress is not None:
             self._progress.flush()
-        self._view.close()
+        if self._view is not None:
+            self._view.close()
 
     # -- for the strategies ---------------------------------------------------------------------
 

@@ -79,7 +79,7 @@ class Hook:
         path = os.path.abspath(os.fspath(filename))
         if framework not in ("pt", "torch") or str(device) != "cpu" or kwargs:
             return self.stock_open(filename, framework=framework, device=device, **kwargs)
-        path = own_rank_path(path)
+        path = self.link.own_rank_path(path, current_rank)
         if path is None:  # this rank has nothing in that shard
             return EmptyFile()
         with self._lock:
@@ -251,17 +251,6 @@ def current_rank() -> int:
         return override
     import torch.distributed as dist
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def own_rank_path(path: str) -> str | None:
-    """A shard of the view shared by a mount's local ranks (MNT/target/X) is read from this rank's
-    own view (MNT/rank-R/target/X); None when this rank's view has no such shard."""
-    view_dir = os.path.dirname(path)
-    mount_root = os.path.dirname(view_dir)
-    if not os.path.isdir(os.path.join(mount_root, "rank-0")):
-        return path
-    own = os.path.join(mount_root, f"rank-{current_rank()}", os.path.basename(view_dir), os.path.basename(path))
-    return own if os.path.exists(own) else None
 
 
 class EmptyFile:

@@ -133,6 +133,23 @@ def test_one_shared_view_serves_every_local_rank_through_the_hook(tiny_checkpoin
 
 
 @pytest.mark.mount
+def test_the_next_load_sees_a_mount_remade_with_another_layout(tiny_checkpoint, mount_dir, hook, monkeypatch):
+    """The hook asks a mount where its root lies and whether it serves rank-R views once per load,
+    not once per file; a load after a remount at the same place, with one view instead of one per
+    local rank, reads the new mount."""
+    monkeypatch.setenv("RANKFS_RANK", "1")
+    layout = engine_layout(4, 2, 1)
+    want = {n: t for n, t in load_like_engine(tiny_checkpoint, layout, tiny_checkpoint).items()
+            if not n.startswith("mtp.")}
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--ep-size", 2, "--local-ranks", "all"):
+        assert_same(load_like_engine(mount_dir / "target", layout, tiny_checkpoint), want)
+        loader.release("target")
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--ep-size", 2, "--tp-rank", 1):
+        assert_same(load_like_engine(mount_dir / "target", layout, tiny_checkpoint), want)
+        loader.release("target")
+
+
+@pytest.mark.mount
 def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_dir, hook):
     """After release this process holds only the weights it kept (its resident memory grew by them
     and 64 MiB at most), nothing of the view files or the sources is left in page cache, the daemon
