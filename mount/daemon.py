@@ -143,6 +143,9 @@ class Daemon:
                 kernel.tune, entry, self.config.readahead_kb, self.config.max_background,
                 self.config.congestion_threshold)
         on_ready()
+        # Targets first: the engines load them first, and their first opens then find them laid out.
+        for view in sorted(self.tree.lazy_views, key=lambda lazy: lazy.view.name != "target"):
+            await view.lay_out()
 
     async def _signals(self, cancel_scope):
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -1,12 +1,20 @@
 """The prefetch order: the file the loader consumes first, all of it, then the next ones; several
 files side by side only when a loader reads them side by side. The frontier follows what the loader
-read in order, not the furthest chunk the kernel's read-around touched."""
+read in order, not the furthest chunk the kernel's read-around touched. A view's streams are made
+once, by its layout in the background or by an open that comes sooner."""
 
 from __future__ import annotations
 
+import trio
+
+from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.extents import Extent
+from rankfs.plan.layout import plan_rank
+from rankfs.plan.spec import RankSpec
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk
+from rankfs.reader.engine import ReadEngine
 from rankfs.reader.schedule import CONSUMING_BYTES, ViewStream
+from rankfs.vfs.tree import LazyView
 
 CHUNKS = 6
 
@@ -63,3 +71,23 @@ def test_the_frontier_ignores_chunks_read_out_of_order():
     read(view, 0, 2)
     read(view, 0, 3)
     assert stream.frontier == 5 and view.next_chunk().stream_pos == 5 and view.prefetched()
+
+
+def test_an_open_during_the_background_layout_finishes_it_and_the_view_is_registered_once(tiny_checkpoint):
+    layout = plan_rank(Checkpoint.open(tiny_checkpoint), RankSpec(4, 1, 1))
+    view = layout.view("target")
+    engine = ReadEngine(layout.sources, 64 << 20)
+    lazy = LazyView("target", view, engine)
+    lazy.inodes = list(range(100, 100 + len(view.files)))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lazy.lay_out)
+            await trio.sleep(0)  # the layout takes a file, then lets requests in
+            last = lazy.content(len(view.files) - 1)  # an open: the rest laid out at once
+            streams = engine.views["target"]
+        return last, streams
+
+    last, streams = trio.run(main)
+    assert engine.views == {"target": streams} and len(streams.files) == len(view.files) > 1
+    assert lazy.content(len(view.files) - 1) is last and last.stream is streams.files[-1]

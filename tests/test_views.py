@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from safetensors import safe_open
 
 from conftest import expected_view, mounted
 from dev.fixtures import deepseek_v4
+from rankfs import contract
 
 pytestmark = pytest.mark.mount
 
@@ -81,6 +83,21 @@ def test_several_local_ranks_share_one_mount(tiny_checkpoint, mount_dir):
             check_view(mount_dir / f"rank-{rank}" / "target", tiny_checkpoint,
                        expected_view(names, SPEC.experts, SPEC.draft_experts, 2, rank // 2, "target"),
                        slices_allowed=True)
+
+
+def test_every_view_is_laid_out_once_mounted_before_any_shard_is_opened(tiny_checkpoint, mount_dir):
+    """The daemon lays out each rank's views in the background once the mount is ready (its status
+    lists a view once it is), so that a load's first open does not wait for the layout."""
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--ep-size", 2, "--local-ranks", "all"):
+        views = {f"{rank.name}/{view.name}" for rank in mount_dir.glob("rank-*") for view in rank.iterdir()
+                 if view.is_dir()}
+        deadline = time.monotonic() + 60
+        while {v["view"] for v in contract.read_status(mount_dir)["views"]} != views:
+            assert time.monotonic() < deadline, "the views were not laid out"
+            time.sleep(0.05)
+        check_view(mount_dir / "rank-1" / "target", tiny_checkpoint,
+                   expected_view(set(original_tensors(tiny_checkpoint)), SPEC.experts, SPEC.draft_experts, 2, 0,
+                                 "target"), slices_allowed=True)
 
 
 def test_whole_file_reads_match_the_files_safetensors_would_write(tiny_checkpoint, mount_dir):
