@@ -1,6 +1,7 @@
-"""What the hook asks of a mount's daemon, through the mount itself (rankfs.contract): where a view
-file's tensors lie in the source shards, telling it how much of a view was loaded straight from them,
-and asking it to drop what it holds after a load. Standard library only."""
+"""What the hook asks of a mount's daemon, through the mount itself (rankfs.contract): where the
+mount's root and this rank's view lie, where a view file's tensors lie in the source shards, telling
+it how much of a view was loaded straight from them, and asking it to drop what it holds after a
+load. Standard library only."""
 
 from __future__ import annotations
 
