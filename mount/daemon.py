@@ -145,7 +145,10 @@ class Daemon:
         on_ready()
         # Targets first: the engines load them first, and their first opens then find them laid out.
         for view in sorted(self.tree.lazy_views, key=lambda lazy: lazy.view.name != "target"):
-            await view.lay_out()
+            try:
+                await view.lay_out()
+            except Exception:  # not the mount's end here: an open of the view meets the error again, as before
+                log.exception("%s: laying out the view failed", view.directory)
 
     async def _signals(self, cancel_scope):
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
