@@ -309,8 +309,9 @@ class DeviceSlabs:
         key = threading.get_ident()
         bounce = self._bounces.get(key)
         if bounce is None:
+            bounce = Bounce(self.device, self._buffers)  # made outside the lock: the threads start together
             with self._lock:
-                bounce = self._bounces[key] = Bounce(self.device, self._buffers)
+                self._bounces[key] = bounce
         return bounce
 
     def close_bounces(self):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rankfs.loader.staged import lay_out
+from rankfs.reader import io
 from rankfs.reader.io import PAGE, OpenFile, align_down, align_up
 
 SIZE = 8 << 20
@@ -85,3 +86,16 @@ def test_a_read_past_the_end_of_the_file_is_short(source):
     buffer = memoryview(mmap.mmap(-1, 1 << 20))
     offset = SIZE - 1000
     assert opened.read_into(buffer, offset % PAGE, offset, 5000, "source") == 1000
+
+
+def test_both_ways_of_asking_the_page_cache_agree_on_a_partly_cached_file(source, monkeypatch):
+    """cachestat (Linux 6.5) and, on older kernels, mincore: every page of a range cached, or not."""
+    opened, _ = source
+    os.pread(opened.fd, 3 * PAGE, 10 * PAGE)  # pages 10-12 (readahead is off for exact reads)
+    os.pread(opened.fd, 1, 20 * PAGE + 5)  # page 20
+    ranges = [(10 * PAGE, 13 * PAGE), (10 * PAGE + 1, 13 * PAGE - 1), (9 * PAGE, 13 * PAGE), (10 * PAGE, 14 * PAGE),
+              (20 * PAGE, 20 * PAGE + 1), (12 * PAGE, 21 * PAGE), (SIZE - PAGE, SIZE + PAGE), (5 * PAGE, 5 * PAGE)]
+    expected = [True, True, False, False, True, False, False, False]
+    assert [opened.resident(b, e) for b, e in ranges] == expected
+    monkeypatch.setattr(io, "_cachestat_works", False)
+    assert [opened.resident(b, e) for b, e in ranges] == expected
