@@ -27,7 +27,7 @@ from typing import Callable, Protocol
 import torch
 
 from rankfs.loader.budget import Budget
-from rankfs.reader.io import MADV_POPULATE_READ, PAGE, OpenFile, madvise, map_pages, unmap_pages
+from rankfs.reader.io import MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, OpenFile, madvise, map_pages, unmap_pages
 
 log = logging.getLogger("rankfs.hook")
 
@@ -65,6 +65,15 @@ class HostBuffer:
 
     def view(self, nbytes: int, died: Callable[[], None]) -> torch.Tensor:
         return host_view(memoryview(self.map)[:nbytes], died)
+
+    def fault_in(self):
+        """Fault every page in here, zero-filled, so that page-locking it has nothing to fault (a
+        no-op before Linux 5.14, where the page-lock does it)."""
+        view = torch.frombuffer(self.map, dtype=torch.uint8)
+        try:
+            madvise(view.data_ptr(), len(self.map), MADV_POPULATE_WRITE)
+        except OSError:
+            pass
 
     def pin(self):
         if self.pinned_at is not None:

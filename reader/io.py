@@ -14,6 +14,7 @@ from pathlib import Path
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in (reading it if needed), or fail with EFAULT
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in writable (anonymous memory: zero-filled)
 DEFAULT_WILLNEED_REACH = 128 << 10  # the smallest readahead one meets (DGX Spark's)
 
 _libc = ctypes.CDLL(None, use_errno=True)
