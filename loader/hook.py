@@ -65,6 +65,7 @@ class Hook:
         self.holding: set = set()  # staged files with a slab alive
         self.releases: list[dict] = []
         self._source_maps: dict[str, mmap.mmap] = {}
+        self._collector_was_on: bool | None = None  # during a load: whether gc was enabled before it
         self._lock = threading.Lock()
         if self.mode == "on":
             from rankfs.loader.guard import warm_up
@@ -89,6 +90,13 @@ class Hook:
         placement = self.link.placement(path)
         mapped = placement is not None and self._maps_file(placement)
         with self._lock:  # the threads this kind of file needs, at its first (or its first after a release)
+            if self._collector_was_on is None:
+                # A full collection stops every thread while it walks every object the engine holds
+                # (0.13 s each with torch imported on the 2-core VM; two in an 8 GB EP1 sliced load,
+                # whose tensors and futures make the objects that trigger them). Cycles left meanwhile
+                # are collected at the release.
+                self._collector_was_on = gc.isenabled()
+                gc.disable()
             if mapped:
                 self.map_executor = self.map_executor or OrderedExecutor(MAP_READERS, "rankfs-map", self.budget)
             elif self.executor is None:
@@ -159,6 +167,10 @@ class Hook:
         for executor in executors:
             if executor is not None:
                 executor.shutdown()
+        with self._lock:
+            collector_was_on, self._collector_was_on = self._collector_was_on, None
+        if collector_was_on:
+            gc.enable()
         gc.collect()
         pools = [self.slabs] + ([self.on_device.pool] if self.on_device else [])
         leftovers = [slab for pool in pools for slab in pool.alive()]

@@ -152,7 +152,7 @@ def test_the_next_load_sees_a_mount_remade_with_another_layout(tiny_checkpoint, 
 @pytest.mark.mount
 def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_dir, hook):
     """After release this process holds only the weights it kept (its resident memory grew by them
-    and 64 MiB at most), nothing of the view files or the sources is left in page cache, the daemon
+    and 64 MiB at most), the garbage collector paused during the load runs again, nothing of the view files or the sources is left in page cache, the daemon
     has dropped its buffers, and its status counts what the hook loaded straight from the sources."""
     sources = sorted(tiny_checkpoint.glob("*.safetensors"))
     with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 0.0625):
@@ -162,7 +162,9 @@ def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_di
         baseline = rss_bytes()
         params = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint, counts)
         kept = sum(p.numel() * p.element_size() for p in params.values())
+        assert not gc.isenabled()  # no full collection stops the loader's threads during a load
         figures = loader.release("target")
+        assert gc.isenabled()
         grown = rss_bytes() - baseline
         status = contract.read_status(str(mount_dir))
         assert status["drops"] == 1 and status["held_bytes"] == 0 and status["memory"]["idle"] == 0
