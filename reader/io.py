@@ -132,7 +132,7 @@ class OpenFile:
         cachestat counts the file's cached pages without the process's memory map, whose lock a
         mincore shares with every page fault, map and page-lock of the loader's threads (on the
         H200 host a mincore per 16 MiB read waited 1.3 ms on average inside a load). mincore
-        where the kernel is older than 6.5."""
+        where the kernel is older than 6.5 or refuses the file."""
         global _cachestat_works
         if self._map is None or end > self._size or end <= begin:
             return False
@@ -142,9 +142,7 @@ class OpenFile:
             if _libc.syscall(_SYS_CACHESTAT, self.fd, ctypes.byref(_CachestatRange(begin, end - begin)),
                              ctypes.byref(stat), 0) == 0:
                 return stat.nr_cache == (end - begin) // PAGE
-            if ctypes.get_errno() != errno.ENOSYS:
-                raise _os_error(f"{self.path}: cachestat")
-            _cachestat_works = False
+            _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
         return 0 not in self._residency(begin, end)
 
     def _residency(self, begin: int, end: int) -> bytes:
