@@ -149,8 +149,10 @@ class BounceBuffers:
     def __init__(self, count: int, pin: bool):
         self.pin = pin
         self.nbytes = PIECE_BYTES + 2 * PAGE  # a piece, and the partial pages around it a direct read fills
-        self._ready: queue.SimpleQueue[HostBuffer] = queue.SimpleQueue()
+        # Buffers made ahead, or for each one a maker could not make, why (its taker raises it).
+        self._ready: queue.SimpleQueue[HostBuffer | BaseException] = queue.SimpleQueue()
         self._left = count  # not yet taken
+        self._idle = 0  # made and not taken
         self._lock = threading.Lock()
         shares = [count // self.MAKERS + (i < count % self.MAKERS) for i in range(min(self.MAKERS, count))]
         self._makers = [threading.Thread(target=self._make, args=(share,), name="rankfs-bounce", daemon=True)
@@ -159,14 +161,26 @@ class BounceBuffers:
             maker.start()
 
     def _make(self, count: int):
-        for _ in range(count):
-            self._ready.put(self.new(self.nbytes))
+        for made in range(count):
+            try:
+                buffer = self.new(self.nbytes)
+            except BaseException as exc:  # every taker waiting for this maker's share hears why
+                for _ in range(count - made):
+                    self._ready.put(exc)
+                return
+            with self._lock:
+                self._idle += 1
+            self._ready.put(buffer)
 
     def new(self, nbytes: int) -> HostBuffer:
         buffer = HostBuffer(nbytes)
         if self.pin:
-            buffer.fault_in()
-            buffer.pin()
+            try:
+                buffer.fault_in()
+                buffer.pin()
+            except BaseException:
+                buffer.close()
+                raise
         return buffer
 
     def take(self, nbytes: int) -> HostBuffer:
@@ -175,19 +189,29 @@ class BounceBuffers:
         with self._lock:
             made_ahead = nbytes <= self.nbytes and self._left > 0
             self._left -= made_ahead
-        return self._ready.get() if made_ahead else self.new(max(nbytes, self.nbytes))
+        if not made_ahead:
+            return self.new(max(nbytes, self.nbytes))
+        made = self._ready.get()
+        if isinstance(made, BaseException):
+            raise RuntimeError(f"rankfs hook: no page-locked bounce buffer of {self.nbytes} bytes: {made}") from made
+        with self._lock:
+            self._idle -= 1
+        return made
 
     @property
     def idle_bytes(self) -> int:
         """Made and not taken yet."""
-        return self._ready.qsize() * self.nbytes
+        return self._idle * self.nbytes
 
     def close(self):
         """Unpin and unmap those never taken."""
         for maker in self._makers:
             maker.join()
         while not self._ready.empty():
-            self._ready.get().close()
+            made = self._ready.get()
+            if not isinstance(made, BaseException):
+                made.close()
+        self._idle = 0
 
 
 class Bounce:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 import torch
 
 from dev.memstate import uncache
@@ -16,7 +17,7 @@ from rankfs.loader.budget import Budget
 import rankfs.loader.device as device_module
 from rankfs.loader.device import DeviceSlabs
 from rankfs.loader.staged import DeviceLanding
-from rankfs.loader.slabs import SlabPool
+from rankfs.loader.slabs import HostBuffer, SlabPool
 from rankfs.reader.io import PAGE, OpenFile
 
 MIB = 1 << 20
@@ -136,3 +137,21 @@ def test_bounce_buffers_are_made_ahead_and_those_never_taken_are_unmapped(monkey
     ahead.take(PAGE)
     ahead.close()
     assert ahead.idle_bytes == 0
+
+
+def test_a_bounce_buffer_that_cannot_be_page_locked_fails_its_taker_instead_of_hanging(monkeypatch):
+    """The makers run on threads of their own: a page-lock the driver refuses reaches the read
+    thread that waits for that buffer (and the load's error), and the buffer is unmapped."""
+    monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)
+    made = []
+
+    def refuse(buffer):
+        made.append(buffer)
+        raise OSError("cudaHostRegister refused")
+    monkeypatch.setattr(HostBuffer, "pin", refuse)
+    supply = device_module.BounceBuffers(6, pin=True)
+    for _ in range(6):
+        with pytest.raises(RuntimeError, match="no page-locked bounce buffer.*cudaHostRegister refused"):
+            supply.take(PAGE)
+    supply.close()
+    assert made and all(buffer.map.closed for buffer in made) and supply.idle_bytes == 0
