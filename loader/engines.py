@@ -43,6 +43,7 @@ def as_load(function):
 
 
 def wrap_method(cls, name: str):
+    routing.engine_delimits_loads()
     raw = cls.__dict__.get(name)
     if isinstance(raw, staticmethod):
         setattr(cls, name, staticmethod(as_load(raw.__func__)))

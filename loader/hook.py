@@ -18,7 +18,7 @@ import time
 import torch
 
 from rankfs import contract
-from rankfs.loader import memory
+from rankfs.loader import memory, routing
 from rankfs.loader.budget import Budget
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
 from rankfs.loader.device import DeviceSlabs, loading_device
@@ -90,7 +90,7 @@ class Hook:
         placement = self.link.placement(path)
         mapped = placement is not None and self._maps_file(placement)
         with self._lock:  # the threads this kind of file needs, at its first (or its first after a release)
-            if self._collector_was_on is None:
+            if self._collector_was_on is None and not routing.outside_engine_load():
                 # A full collection stops every thread while it walks every object the engine holds
                 # (0.13 s each with torch imported on the 2-core VM; two in an 8 GB EP1 sliced load,
                 # whose tensors and futures make the objects that trigger them). Cycles left meanwhile

@@ -27,6 +27,7 @@ _hook = None  # the Hook, once a rankfs file has been opened
 _rankfs_devices: set[int] = set()
 _other_devices: set[int] = set()  # block devices seen not to be rankfs (anonymous ones may become so)
 _depth = 0  # engine loads entered and not yet returned
+_engine_delimited = False  # an engine's entry point is wrapped here: its calls are the loads
 _load_start: dict | None = None
 
 
@@ -107,6 +108,19 @@ def deactivate():
             if getattr(module, "safe_open", None) is safe_open and module is not sys.modules[__name__]:
                 module.safe_open = _stock
         _settings, _hook = None, None
+
+
+def engine_delimits_loads():
+    """An engine's weight-loading entry point was wrapped in this process (rankfs.loader.engines)."""
+    global _engine_delimited
+    _engine_delimited = True
+
+
+def outside_engine_load() -> bool:
+    """A rankfs file opened where an engine delimits the loads but none is under way (a look at a
+    shard's header, say): no release may follow soon, so nothing that only a release undoes
+    begins for it."""
+    return _engine_delimited and _depth == 0
 
 
 def begin_load():

@@ -13,6 +13,7 @@ import torch
 
 import rankfs.loader as loader
 import rankfs.loader.hook as hook_module
+from rankfs.loader import routing
 from conftest import mounted
 from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
 from dev.fixtures import deepseek_v4
@@ -176,6 +177,25 @@ def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_di
         assert (figures["slabs"] >= 1) == (hook == "stage")
         assert grown < kept + 64 * MIB, f"grew by {grown / MIB:.0f} MiB with {kept / MIB:.0f} MiB of weights kept"
         del params
+
+
+@pytest.mark.mount
+def test_an_open_outside_an_engines_load_leaves_the_collector_running(tiny_checkpoint, mount_dir, hook, monkeypatch):
+    """Where an engine's entry points delimit the loads, a rankfs file opened outside them (a look at a
+    header) pauses nothing that only a release would undo; inside one the collector is paused until
+    the load returns."""
+    monkeypatch.setattr(routing, "_engine_delimited", True)
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+        with safetensors.safe_open(sorted((mount_dir / "target").glob("*.safetensors"))[0], framework="pt") as f:
+            assert f.keys()
+        assert gc.isenabled()
+        routing.begin_load()
+        try:
+            load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint)
+            assert not gc.isenabled()
+        finally:
+            routing.end_load(failed=False)
+        assert gc.isenabled() and not routing.current().load_views
 
 
 @pytest.mark.mount
