@@ -92,9 +92,9 @@ class Hook:
         with self._lock:  # the threads this kind of file needs, at its first (or its first after a release)
             if self._collector_was_on is None and not routing.outside_engine_load():
                 # A full collection stops every thread while it walks every object the engine holds
-                # (0.13 s each with torch imported on the 2-core VM; two in an 8 GB EP1 sliced load,
-                # whose tensors and futures make the objects that trigger them). Cycles left meanwhile
-                # are collected at the release.
+                # (0.13 s each with torch imported on the 2-core VM; an 8 GB EP1 sliced load, whose
+                # tensors and futures make the objects that trigger them, ran one besides the
+                # release's own). Cycles left meanwhile are collected at the release.
                 self._collector_was_on = gc.isenabled()
                 gc.disable()
             if mapped:

@@ -139,8 +139,10 @@ class OpenFile:
         begin, end = covering_pages(begin, end)
         if _cachestat_works:
             stat = _Cachestat()
-            if _libc.syscall(_SYS_CACHESTAT, self.fd, ctypes.byref(_CachestatRange(begin, end - begin)),
-                             ctypes.byref(stat), 0) == 0:
+            # syscall(2) is variadic: every argument a full register's width.
+            if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(self.fd),
+                             ctypes.byref(_CachestatRange(begin, end - begin)), ctypes.byref(stat),
+                             ctypes.c_long(0)) == 0:
                 return stat.nr_cache == (end - begin) // PAGE
             _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
         return 0 not in self._residency(begin, end)
