@@ -66,21 +66,21 @@ class HostBuffer:
     def view(self, nbytes: int, died: Callable[[], None]) -> torch.Tensor:
         return host_view(memoryview(self.map)[:nbytes], died)
 
+    def _address(self) -> int:
+        return torch.frombuffer(self.map, dtype=torch.uint8).data_ptr()  # the view dies here: the map can close
+
     def fault_in(self):
         """Fault every page in here, zero-filled, so that page-locking it has nothing to fault (a
         no-op before Linux 5.14, where the page-lock does it)."""
-        view = torch.frombuffer(self.map, dtype=torch.uint8)
         try:
-            madvise(view.data_ptr(), len(self.map), MADV_POPULATE_WRITE)
+            madvise(self._address(), len(self.map), MADV_POPULATE_WRITE)
         except OSError:
             pass
 
     def pin(self):
         if self.pinned_at is not None:
             return
-        view = torch.frombuffer(self.map, dtype=torch.uint8)
-        address = view.data_ptr()
-        del view  # a view left alive would keep the map from closing
+        address = self._address()
         _page_lock(address, len(self.map))
         self.pinned_at = address
 
