@@ -9,11 +9,13 @@ group: experts}, "device": "cpu" (default) or "cuda", "uncache": [files to drop 
 first]}, ...], loaded in order in this one process. ENGINE_DRIVER_STAGE_ON=host: the hook stages as
 it does on a GPU (bounce buffers into device slabs), host memory standing in for the GPU's.
 Prints one JSON line per load: the parameters' digests, the releases the hook had made when the load
-returned (with their figures), and the process's threads.
+returned (with their figures), whether the garbage collector ran inside the load and after it, and
+the process's threads.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -46,6 +48,7 @@ class TinyMoE(torch.nn.Module):
             source = narrowed(name, tensor, PROFILE, self.layout, self.counts)
             if source is not None:
                 self.weights.setdefault(name, torch.empty(source.shape, dtype=source.dtype, device=self.device)).copy_(source)
+        self.collector_in_load = gc.isenabled()
         return None
 
 
@@ -122,6 +125,7 @@ def main(engine: str, jobs: list[dict]):
                                                                  "cuda_reserved",
                                                                  "nvml_process")}
                                               for r in hook.releases] if hook else [],
+                          "collector_in_load": model.collector_in_load, "collector_after": gc.isenabled(),
                           "threads": threading.active_count()}), flush=True)
 
 

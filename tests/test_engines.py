@@ -48,11 +48,14 @@ def jobs_for(checkpoint, mounts: dict) -> list[dict]:
     return jobs
 
 
-def check(reports: list[dict], stderr: str, expect_releases: bool = True):
+def check(reports: list[dict], stderr: str, expect_releases: bool = True, collector_paused: bool = True):
     released = []
     for original, through_rankfs in zip(reports[::2], reports[1::2]):
         phase = through_rankfs["phase"]
         assert original["releases"] == released  # plain files: no load of ours, nothing released
+        # The garbage collector: paused inside the hook's loads only, running again once each returns.
+        assert original["collector_in_load"] and through_rankfs["collector_in_load"] != collector_paused
+        assert original["collector_after"] and through_rankfs["collector_after"]
         assert through_rankfs["digests"] == original["digests"] and original["digests"], phase
         if expect_releases:
             released = released + [phase]  # this load, once, when it returned, named by its view
@@ -99,7 +102,7 @@ def test_each_load_is_released_once_when_it_returns(tiny_checkpoint, mounts, eng
 def test_observe_mode_loads_the_stock_way_and_reports(tiny_checkpoint, mounts, engine):
     reports, stderr = drive(engine, jobs_for(tiny_checkpoint, {"ep1-sliced": mounts["ep1-sliced"]}), {},
                             ["rankfs", "run", "--observe", "--"])
-    check(reports, stderr)
+    check(reports, stderr, collector_paused=False)
     assert "slab_requests=0" in stderr
 
 
