@@ -110,7 +110,7 @@ class OpenFile:
         self._cached_before: list[tuple[int, bytes]] = []  # (offset, per page: cached) before reads through it
         self._lock = threading.Lock()
         self._size = os.fstat(self.fd).st_size
-        self._map: int | None = None  # a map of the file, only for mincore (it reads nothing)
+        self._map: int | None = None  # a map of the file: for mincore, and to copy cached bytes out of
         if self._size:
             try:
                 self._map = map_pages(self.fd, 0, self._size, path)
@@ -143,6 +143,25 @@ class OpenFile:
 
     def _residency(self, begin: int, end: int) -> bytes:
         return residency(self._map + begin, end - begin, self.path)
+
+    def mapped(self, offset: int, length: int) -> memoryview | None:
+        """Bytes [offset, offset + length) as the page cache holds them, mapped into this process
+        (read only: never write to it). Its pages are mapped in first, so that a page missing past
+        the file's end fails here, not with SIGBUS at the copy. None where they cannot be: no map,
+        a kernel before 5.14, a file cut short. Let go with `unmap`."""
+        if self._map is None or offset + length > self._size or length <= 0:
+            return None
+        begin, end = covering_pages(offset, offset + length)
+        try:
+            madvise(self._map + begin, end - begin, MADV_POPULATE_READ)
+        except OSError:
+            return None
+        return memoryview((ctypes.c_ubyte * length).from_address(self._map + offset)).cast("B")
+
+    def unmap(self, offset: int, length: int):
+        """The pages `mapped` mapped leave this process (not the page cache)."""
+        begin, end = covering_pages(offset, offset + length)
+        madvise(self._map + begin, end - begin, mmap.MADV_DONTNEED)
 
     def reading_through_cache(self, begin: int, end: int, around: int = 0):
         """Called before a read of [begin, end) through the page cache (ours, or a reader's we

@@ -35,11 +35,13 @@ def test_runs_keep_their_place_within_a_page_and_do_not_overlap(source):
     opened, _ = source
     blocks = [("a", opened, 100, 5000), ("b", opened, 5100, 3), ("c", opened, 9000, 70000),  # a+b adjacent
               ("d", opened, 1 << 20, 1 << 20)]
-    runs, offsets, size = lay_out(blocks, [("rows", 12345)])
+    runs, offsets, size = lay_out(blocks, [("rows", opened, 80000, 12345)])  # rows between c and d
     assert [(r.offset, r.length, r.first) for r in runs] == [(100, 5003, "a"), (9000, 70000, "c"), (1 << 20, 1 << 20, "d")]
-    windows = [(align_down(r.at), align_up(r.at + r.length)) for r in runs] + [(offsets["rows"], offsets["rows"] + 12345)]
+    windows = sorted([(align_down(r.at), align_up(r.at + r.length), r.offset) for r in runs]
+                     + [(offsets["rows"], offsets["rows"] + 12345, 80000)])
     assert all(r.at % PAGE == r.offset % PAGE for r in runs)
-    assert all(end <= begin for (_, end), (begin, _) in zip(windows, windows[1:])) and windows[-1][1] <= size
+    assert all(end <= begin for (_, end, _), (begin, _, _) in zip(windows, windows[1:])) and windows[-1][1] <= size
+    assert [offset for *_, offset in windows] == [100, 9000, 80000, 1 << 20]  # the slab in file order
     assert offsets["b"] == offsets["a"] + 5000 and offsets["rows"] % PAGE == 0
     assert size <= sum(n for *_, n in blocks) + 12345 + 2 * PAGE * 5
 
@@ -99,3 +101,20 @@ def test_both_ways_of_asking_the_page_cache_agree_on_a_partly_cached_file(source
     assert [opened.resident(b, e) for b, e in ranges] == expected
     monkeypatch.setattr(io, "_cachestat_works", False)
     assert [opened.resident(b, e) for b, e in ranges] == expected
+
+
+def test_cached_bytes_are_mapped_as_they_lie_and_a_file_cut_short_is_refused_not_faulted(tmp_path):
+    """What the hook copies slices of rows out of: the page cache's own pages, mapped in first, so
+    that pages gone past a shortened file's end are refused here instead of killing the process
+    (SIGBUS) at the copy."""
+    path = tmp_path / "rows.bin"
+    data = np.random.default_rng(3).integers(0, 256, 8 * PAGE + 100, dtype=np.uint8).tobytes()
+    path.write_bytes(data)  # just written: cached
+    opened = OpenFile(str(path))
+    try:
+        assert bytes(opened.mapped(PAGE + 10, 3 * PAGE)) == data[PAGE + 10:4 * PAGE + 10]
+        opened.unmap(PAGE + 10, 3 * PAGE)
+        os.truncate(path, PAGE)
+        assert opened.mapped(PAGE + 10, 3 * PAGE) is None
+    finally:
+        opened.close()
