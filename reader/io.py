@@ -133,16 +133,27 @@ class OpenFile:
         mincore shares with every page fault, map and page-lock of the loader's threads (on the
         H200 host a mincore per 16 MiB read waited 1.3 ms on average inside a load). mincore
         where the kernel is older than 6.5 or refuses the file."""
+        global _cachestat_works
         if self._map is None or end > self._size or end <= begin:
             return False
         begin, end = covering_pages(begin, end)
-        cached = cached_pages(self.fd, begin, end)
-        if cached is not None:
-            return cached == (end - begin) // PAGE
+        if _cachestat_works:
+            stat = _Cachestat()
+            # syscall(2) is variadic: every argument a full register's width.
+            if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(self.fd),
+                             ctypes.byref(_CachestatRange(begin, end - begin)), ctypes.byref(stat),
+                             ctypes.c_long(0)) == 0:
+                return stat.nr_cache == (end - begin) // PAGE
+            _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
         return 0 not in self._residency(begin, end)
 
     def _residency(self, begin: int, end: int) -> bytes:
-        return residency(self._map + begin, end - begin, self.path)
+        """Per page of [begin, end) (whole pages): 1 if it is in the page cache."""
+        pages = (end - begin) // PAGE
+        vector = ctypes.create_string_buffer(pages)
+        if _libc.mincore(self._map + begin, pages * PAGE, vector) != 0:
+            raise _os_error(f"{self.path}: mincore")
+        return vector.raw.translate(_RESIDENT_BIT)
 
     def mapped(self, offset: int, length: int) -> memoryview | None:
         """Bytes [offset, offset + length) as the page cache holds them, mapped into this process
@@ -229,50 +240,6 @@ class OpenFile:
             if fd is not None and fd >= 0:
                 os.close(fd)
         self.fd, self.direct_fd, self._retired_fd = -1, None, None
-
-
-def cached_pages(fd: int, begin: int, end: int) -> int | None:
-    """How many pages of [begin, end) (whole pages) the page cache holds, by cachestat; None where
-    the kernel cannot say (older than 6.5, or a file it refuses)."""
-    global _cachestat_works
-    if not _cachestat_works:
-        return None
-    stat = _Cachestat()
-    # syscall(2) is variadic: every argument a full register's width.
-    if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(_CachestatRange(begin, end - begin)),
-                     ctypes.byref(stat), ctypes.c_long(0)) == 0:
-        return stat.nr_cache
-    _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
-    return None
-
-
-def residency(address: int, nbytes: int, what: str) -> bytes:
-    """Per page of a file's map at `address` (whole pages): 1 if it is in the page cache."""
-    pages = nbytes // PAGE
-    vector = ctypes.create_string_buffer(pages)
-    if _libc.mincore(address, pages * PAGE, vector) != 0:
-        raise _os_error(f"{what}: mincore")
-    return vector.raw.translate(_RESIDENT_BIT)
-
-
-def uncached_runs(fd: int, address: int, begin: int, end: int, what: str) -> list[tuple[int, int]]:
-    """The whole pages of [begin, end) that the page cache does not hold, as runs: what a read
-    through it adds, and all that is dropped after the read (pages cached before it, a warm
-    checkpoint's or a neighbouring rank's, stay). `address` maps the file, for the per-page answer
-    where some pages are cached."""
-    begin, end = covering_pages(begin, end)
-    cached = cached_pages(fd, begin, end)
-    if cached == 0:
-        return [(begin, end)]
-    if cached == (end - begin) // PAGE:
-        return []
-    pages = residency(address + begin, end - begin, what)
-    return [(begin + run.start() * PAGE, begin + run.end() * PAGE) for run in re.finditer(rb"\x00+", pages)]
-
-
-def drop_from_cache(fd: int, runs: list[tuple[int, int]]):
-    for begin, end in runs:
-        os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
 
 
 def read_exactly(fd: int, target: memoryview, offset: int, what: str) -> int:

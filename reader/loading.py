@@ -1,8 +1,7 @@
 """Reading a chunk's bytes from its source shard, in a worker thread: a resident range of the
 source's map when the chunk lies on disk as served (one copy on its way out, not two), otherwise one
-large read into a buffer with the fill written over the other ranks' columns. Either way, what the
-read brought into the page cache leaves it once the bytes are out; what was cached before stays. A
-source that is no longer the file that was planned is refused, by name."""
+large read into a buffer with the fill written over the other ranks' columns. A source that is no
+longer the file that was planned is refused, by name."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import numpy as np
 from rankfs.contract import Source
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
-from rankfs.reader.io import drop_from_cache, open_for_exact_reads, read_exactly, uncached_runs
+from rankfs.reader.io import open_for_exact_reads, read_exactly
 from rankfs.reader.mapped import MappedSources
 
 
@@ -70,22 +69,20 @@ class SourceReader:
 
     def read_into(self, chunk: Chunk, buffer: mmap.mmap) -> memoryview:
         """One large read of the chunk into `buffer` (of its read span's size at least), the fill
-        written outside its slice, and what the read added to the source's cache dropped. Returns
-        the chunk's bytes."""
+        written outside its slice, and the source's cache dropped. Returns the chunk's bytes."""
         self.check_unchanged(chunk.source)
         source = self.sources[chunk.source]
-        fd = self.fd(chunk.source)
         begin, end = chunk.read_span(self.direct_io)
         skip = chunk.source_offset - begin
-        added = [] if self.direct_io else uncached_runs(fd, self.maps.address(chunk.source), begin, end, source.path)
         try:
-            done = read_exactly(fd, memoryview(buffer)[:end - begin], begin, source.path)
+            done = read_exactly(self.fd(chunk.source), memoryview(buffer)[:end - begin], begin, source.path)
         except OSError as exc:
             raise BackingError(str(exc)) from None
         if done < skip + chunk.length:
             raise BackingError(f"{source.path}: short read at offset {chunk.source_offset} "
                                f"({max(0, done - skip)} of {chunk.length} bytes); the file was truncated")
-        drop_from_cache(fd, added)
+        if not self.direct_io:
+            os.posix_fadvise(self.fd(chunk.source), begin, end - begin, os.POSIX_FADV_DONTNEED)
         data = memoryview(buffer)[skip:skip + chunk.length]
         if chunk.row_bytes:
             rows = np.frombuffer(data, np.uint8).reshape(-1, chunk.row_bytes)

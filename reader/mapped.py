@@ -4,8 +4,7 @@ A chunk read with pread into a buffer is copied twice on its way out (page cache
 the reply or the push); served from a map it is copied once. A worker thread asks the kernel to read
 the chunk's pages (WILLNEED, in pieces as large as one call reads) and waits until they are in this
 process's page tables (MADV_POPULATE_READ), so that the reply, copied on the event-loop thread, never
-waits on the disk. Once served, the pages leave the map, and those the read brought into the page
-cache leave it (nothing cached twice; pages cached before, a warm checkpoint's, stay).
+waits on the disk. Once served, the pages leave the map and the page cache (nothing cached twice).
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ import threading
 
 import numpy as np
 
-from rankfs.reader.io import (MADV_POPULATE_READ, covering_pages, drop_from_cache, madvise, uncached_runs,
-                              willneed_pieces, willneed_reach)
+from rankfs.reader.io import MADV_POPULATE_READ, covering_pages, madvise, willneed_pieces, willneed_reach
 
 
 LARGEST_FOLIO = 2 << 20  # the page cache's largest folio on x86-64 (a PMD)
@@ -32,8 +30,6 @@ class MappedSources:
         self._maps: dict[int, np.ndarray] = {}
         self._reach: dict[int, int] = {}
         self._live: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # viewed, not unmapped
-        # (source, begin, end) viewed -> per view, the pages its read brought into the page cache
-        self._added: dict[tuple[int, int, int], list[list[tuple[int, int]]]] = collections.defaultdict(list)
         self._lock = threading.Lock()
 
     def _map(self, index: int) -> np.ndarray:
@@ -48,19 +44,12 @@ class MappedSources:
                 self._maps[index] = np.frombuffer(source, np.uint8)
             return self._maps[index]
 
-    def address(self, index: int) -> int:
-        """Where a source is mapped (mapping it reads nothing)."""
-        return self._map(index).ctypes.data
-
     def view(self, index: int, begin: int, end: int) -> np.ndarray:
         """Bytes [begin, end) of a source, resident (worker thread: this waits for the disk)."""
         source = self._map(index)
         if end > len(source):
             raise OSError(errno.EFAULT, "beyond the end of the file")
         fd, reach = self._fd_of(index), self._reach[index]
-        added = uncached_runs(fd, source.ctypes.data, begin, end, self._paths[index])
-        with self._lock:
-            self._added[index, begin, end].append(added)
         for piece, size in willneed_pieces(begin, end - begin, reach):
             os.posix_fadvise(fd, piece, size, os.POSIX_FADV_WILLNEED)
         with self._lock:
@@ -96,15 +85,10 @@ class MappedSources:
             madvise(source.ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
 
     def uncache_all(self, ranges: list[tuple[int, int, int]]):
-        """(source, begin, end) ranges, unmapped: the pages their reads added leave the page cache
-        (slower: a worker thread)."""
-        for key in ranges:
-            with self._lock:
-                views = self._added[key]
-                added = views.pop(0)
-                if not views:
-                    del self._added[key]
-            drop_from_cache(self._fd_of(key[0]), added)
+        """(source, begin, end) ranges, unmapped, leave the page cache (slower: a worker thread)."""
+        for index, begin, end in ranges:
+            start, stop = covering_pages(begin, end)
+            os.posix_fadvise(self._fd_of(index), start, stop - start, os.POSIX_FADV_DONTNEED)
 
     def forget(self):
         """Nothing stays mapped (after a load)."""

@@ -1,13 +1,11 @@
 """Memory is a budget: the daemon's peak RSS stays under the budget plus 256 MiB while serving a
-checkpoint several times larger, what it pushes into the page cache reads as what it serves, the
-sources' page cache is left as the daemon found it, and after `rankfs drop` the views hold no page
-cache."""
+checkpoint several times larger, what it pushes into the page cache reads as what it serves, and
+after `rankfs drop` the views hold no page cache."""
 
 from __future__ import annotations
 
 import hashlib
 import mmap
-import os
 import time
 
 import pytest
@@ -17,7 +15,6 @@ from dev.fixtures import deepseek_v4
 from dev.memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
 from rankfs import contract
 from rankfs.reader.engine import DEMAND_SLACK
-from rankfs.reader.io import PAGE, align_up, map_pages, residency, unmap_pages
 
 pytestmark = pytest.mark.mount
 
@@ -69,48 +66,6 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
     # daemon let them pass keep their first page (it read 5-23 % more when they did not)
     assert planned <= status["read_bytes"] < 1.02 * planned
     assert peak < budget + 256 * MIB, f"daemon peak RSS {peak / MIB:.0f} MiB"
-
-
-def page_cache_of(path) -> bytes:
-    """Per page of a file: 1 if the page cache holds it."""
-    fd = os.open(path, os.O_RDONLY)
-    size = align_up(os.fstat(fd).st_size)
-    address = map_pages(fd, 0, size, str(path))
-    try:
-        return residency(address, size, str(path))
-    finally:
-        unmap_pages(address, size)
-        os.close(fd)
-
-
-@pytest.mark.parametrize("warmed", [1.0, 0.5])
-def test_serving_a_view_leaves_the_sources_page_cache_as_it_found_it(large_checkpoint, mount_dir, warmed):
-    """Pages of the sources cached before (a warm checkpoint, a neighbouring rank's reads) stay
-    cached while a view of them is served, read into buffers (sliced experts) or mapped; only what
-    the daemon's reads added leaves (with none cached before, nothing stays: the test above). Not
-    every page: these VMs' kernels evict a few of an idle cache by themselves (0.3 % of 370 MiB
-    within 5 s, no process reading), where the daemon used to drop all it served."""
-    sources = sorted(large_checkpoint.glob("*.safetensors"))
-    uncache(sources)
-    for path in sources:  # the first `warmed` of each source read into the page cache, no further
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        for offset in range(0, int(os.fstat(fd).st_size * warmed), 16 * MIB):
-            os.pread(fd, 16 * MIB, offset)
-        os.close(fd)
-    before = {path: page_cache_of(path) for path in sources}
-    with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
-        for shard in sorted((mount_dir / "target").glob("*.safetensors")):
-            shard.read_bytes()
-        status = settled_status(mount_dir)
-        after = {path: page_cache_of(path) for path in sources}
-    assert status["read_bytes"] > 0 and status["uncache_pending_bytes"] == 0
-    pages = lambda bits: bits.count(1)  # noqa: E731
-    cached = sum(pages(before[p]) for p in sources)
-    dropped = sum(pages(bytes(b & ~a for b, a in zip(before[p], after[p]))) for p in sources)
-    added = sum(pages(bytes(a & ~b for b, a in zip(before[p], after[p]))) for p in sources)
-    assert dropped < 0.01 * cached, f"{dropped} of the {cached} pages cached before were dropped"
-    assert added * PAGE < 0.02 * status["read_bytes"], f"{added * PAGE / MIB:.1f} MiB of the sources left in page cache"
 
 
 def mapped_digests(directory) -> dict[str, str]:
