@@ -36,6 +36,7 @@ import torch
 from rankfs.loader.device import PIECE_BYTES, DeviceSlabs
 from rankfs.loader.files import RankfsFile
 from rankfs.loader.slabs import Slab
+from rankfs.plan.spec import Rows
 from rankfs.reader.io import PAGE, OpenFile, align_up, covering_pages
 
 ROWS_BYTES = 8 << 20  # whole rows of a slice read at once
@@ -390,7 +391,8 @@ class StagedFile(RankfsFile):
             landing.landed(spot)
 
     @staticmethod
-    def _copy_cached_rows(source: OpenFile, begin: int, rows, landing: HostLanding | DeviceLanding, at: int) -> bool:
+    def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLanding | DeviceLanding,
+                          at: int) -> bool:
         """Rows the page cache holds: the rank's columns copied straight out of the source's pages,
         mapped, to the slab from `at`; whether it could. A read of whole rows would move every
         row's bytes twice for a quarter of them kept (TP4): a warm sliced load's read threads spent

@@ -156,10 +156,10 @@ class OpenFile:
         return vector.raw.translate(_RESIDENT_BIT)
 
     def mapped(self, offset: int, length: int) -> memoryview | None:
-        """Bytes [offset, offset + length) as the page cache holds them, mapped into this process
-        (read only: never write to it). Its pages are mapped in first, so that a page missing past
-        the file's end fails here, not with SIGBUS at the copy. None where they cannot be: no map,
-        a kernel before 5.14, a file cut short. Let go with `unmap`."""
+        """Bytes [offset, offset + length) as the page cache holds them, mapped into this process,
+        read only. Its pages are mapped in first, so that a page missing past the file's end fails
+        here, not with SIGBUS at the copy. None where they cannot be: no map, a kernel before 5.14,
+        a file cut short. Let go with `unmap`."""
         if self._map is None or offset + length > self._size or length <= 0:
             return None
         begin, end = covering_pages(offset, offset + length)
@@ -167,7 +167,7 @@ class OpenFile:
             madvise(self._map + begin, end - begin, MADV_POPULATE_READ)
         except OSError:
             return None
-        return memoryview((ctypes.c_ubyte * length).from_address(self._map + offset)).cast("B")
+        return memoryview((ctypes.c_ubyte * length).from_address(self._map + offset)).cast("B").toreadonly()
 
     def unmap(self, offset: int, length: int):
         """The pages `mapped` mapped leave this process (not the page cache)."""
