@@ -214,6 +214,14 @@ def _rows_buffer(nbytes: int) -> memoryview:
     return memoryview(buffer)
 
 
+def _copy_columns(rows: Rows, whole: memoryview, target: memoryview, count: int):
+    """The rank's columns of the `count` whole rows at the start of `whole`, packed at the start
+    of `target`."""
+    kept = rows.keep_stop - rows.keep_start
+    np.frombuffer(target[:count * kept], np.uint8).reshape(count, kept)[:] = np.frombuffer(
+        whole[:count * rows.row_bytes], np.uint8).reshape(count, rows.row_bytes)[:, rows.keep_start:rows.keep_stop]
+
+
 def contiguous_strides(shape: list[int]) -> list[int]:
     strides, step = [], 1
     for size in reversed(shape):
@@ -405,13 +413,11 @@ class StagedFile(RankfsFile):
             return False
         try:
             kept = rows.keep_stop - rows.keep_start
-            table = np.frombuffer(whole, np.uint8).reshape(rows.count, rows.row_bytes)
             per_spot = rows.count if landing.piece is None else max(1, landing.piece // kept)
             for first in range(0, rows.count, per_spot):
                 count = min(per_spot, rows.count - first)
                 spot = landing.place(at + first * kept, count * kept)
-                np.frombuffer(spot.buffer[spot.at:spot.at + count * kept], np.uint8).reshape(count, kept)[:] = \
-                    table[first:first + count, rows.keep_start:rows.keep_stop]
+                _copy_columns(rows, whole[first * rows.row_bytes:], spot.buffer[spot.at:], count)
                 landing.landed(spot)
         finally:
             source.unmap(begin, nbytes)
@@ -441,8 +447,5 @@ class StagedFile(RankfsFile):
                 if spot is not None:
                     landing.landed(spot)
                 spot = landing.place(at + first * kept, min(per_spot, rows.count - first) * kept)
-            into = spot.at + first * kept - (spot.slab_at - at)
-            np.frombuffer(spot.buffer[into:into + count * kept], np.uint8).reshape(count, kept)[:] = np.frombuffer(
-                whole_rows[skip:skip + count * rows.row_bytes], np.uint8).reshape(count, rows.row_bytes)[
-                :, rows.keep_start:rows.keep_stop]
+            _copy_columns(rows, whole_rows[skip:], spot.buffer[spot.at + first * kept - (spot.slab_at - at):], count)
         landing.landed(spot)
