@@ -216,8 +216,9 @@ class BounceBuffers:
 
 class Bounce:
     """A read thread's two page-locked buffers and its stream: reads land in one while the other
-    uploads. Reads that come next to each other in a slab share an upload while they fit: each
-    upload takes the GIL a few times, which the loader's loop waits for."""
+    uploads, across jobs too (a job's last upload is waited for by its group, not by the thread).
+    Reads that come next to each other in a slab share an upload while they fit: each upload takes
+    the GIL a few times, which the loader's loop waits for."""
 
     def __init__(self, device: torch.device, buffers: BounceBuffers):
         """Made on the read thread it serves: its stream becomes the thread's current one."""
@@ -252,6 +253,16 @@ class Bounce:
     def landed(self, at: int, nbytes: int):
         """The bytes placed for target[at:at + nbytes] are written."""
         self._pending.end = at + nbytes
+
+    def send(self) -> torch.cuda.Event | None:
+        """Upload what waits; returns an event that completes with every upload queued so far
+        (None where there is no stream: the copy was made)."""
+        self._upload()
+        if self.stream is None:
+            return None
+        sent = torch.cuda.Event()
+        sent.record(self.stream)
+        return sent
 
     def flush(self):
         """Upload what waits, and wait until every upload queued is done."""

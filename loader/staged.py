@@ -117,6 +117,7 @@ class DeviceLanding:
 
     def __init__(self, slab: Slab, device: DeviceSlabs):
         self.slab, self.device = slab, device
+        self._sent: list[torch.cuda.Event] = []  # each job's uploads, from the thread that ran it
 
     def place(self, at: int, nbytes: int) -> Spot:
         buffer, position = self.device.bounce().place(self.slab.tensor, at, nbytes)
@@ -126,10 +127,13 @@ class DeviceLanding:
         self.device.bounce().landed(spot.slab_at, spot.nbytes)
 
     def flush(self):
-        self.device.bounce().flush()
+        sent = self.device.bounce().send()
+        if sent is not None:
+            self._sent.append(sent)
 
     def filled(self):
-        pass
+        for sent in self._sent:
+            sent.synchronize()
 
 
 def join_touching(runs: list[Run]) -> list[Span]:
@@ -185,7 +189,8 @@ def lay_out(blocks: list[tuple[str, OpenFile, int, int]], rows: list[tuple[str, 
 def _batches(reads: list, landing) -> list:
     """Reads (path, offset, bytes, read) in file order, as jobs of RUN_BYTES or more each: a job per
     small read would cost more in hand-offs between threads than the read (sliced experts' blocks
-    are a few MB). A job ends once what it read has landed."""
+    are a few MB). A job ends once what it read has landed or, on the GPU, its uploads are queued:
+    the group's end waits for them (`filled`)."""
     jobs, batch, size = [], [], 0
     for *_, nbytes, read in reads:
         batch.append(read)
