@@ -3,7 +3,7 @@ the hook) against the stock engine path, the peers, the engine's own ceiling and
 storage, on the same data.
 
     python3 -m dev bench [--size-gb 8] [--cases ep2,ep1-sliced] [--modes cold,warm] [--device cpu|cuda]
-                         [--peers instanttensor,fastsafetensors,runai] [--out DIR] [--profile]
+                         [--peers instanttensor,fastsafetensors,runai] [--out DIR] [--repeat N] [--profile]
 
 Modes: `cold` drops the page cache before each path (needs root); `warm` reads the sources into it
 first (the stand-in for storage faster than the disk); `tmpfs` copies the checkpoint into /dev/shm.
@@ -120,27 +120,49 @@ def shape(result: dict, planned: int):
 
 class Bench:
     def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
-                 journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = ()):
+                 journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = (), repeat: int = 1):
         self.checkpoint, self.workdir, self.device, self.peers, self.log = checkpoint, workdir, device, peers, log
         self.paths, self.journal, self.profiles, self.mount_args = paths, journal, profiles, mount_args
+        self.repeat = repeat
         self.case_name = ""
 
+    def row(self, label: str, kind: str, args, mode: str, files: list[str], view: RankSpec | None = None) -> dict:
+        """One row: the path run `repeat` times, each in a process of its own (through a fresh
+        mount of the `view` rank, where it reads one: `args` then takes the mount point). The run
+        of median time (of two, the faster) stands for the row, every run's seconds beside it: on a
+        shared host the same load moves by up to 2x within minutes, more than most differences
+        measured."""
+        runs = []
+        for run in range(self.repeat):
+            if view is None:
+                runs.append(self.measure(label, kind, args, mode, files, run=run))
+                continue
+            with self.mounted(view) as mnt:
+                runs.append(self.measure(label, kind, args(mnt), mode, files, mnt, run))
+        timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
+        if not timed:
+            return runs[-1]
+        median = timed[(len(timed) - 1) // 2]
+        median["runs_seconds"] = [r["seconds"] for r in timed]
+        return median
+
     def measure(self, label: str, kind: str, args: dict, mode: str, files: list[str],
-                mountpoint: Path | None = None) -> dict:
+                mountpoint: Path | None = None, run: int = 0) -> dict:
         if mode == "cold":
             drop_caches()
         else:
             warm(files)
         record = None
         if self.profiles is not None and kind == "load":
-            slug = re.sub(r"[^a-z0-9]+", "-", f"{self.case_name} {mode} {label}".lower()).strip("-")
+            numbered = f" {run + 1}" if self.repeat > 1 else ""
+            slug = re.sub(r"[^a-z0-9]+", "-", f"{self.case_name} {mode} {label}{numbered}".lower()).strip("-")
             record = self.profiles / f"{slug}.txt"
         before = meminfo()
         result = run_path(kind, args, record)
         after = meminfo()
         if record is not None and record.exists():
             record.with_suffix(".summary.txt").write_text(profile.summarize(record) + "\n")
-        result.update(path=label, mode=mode, cached_after=after["Cached"] - before["Cached"])
+        result.update(case=self.case_name, path=label, mode=mode, cached_after=after["Cached"] - before["Cached"])
         if mountpoint is not None:
             status = contract.read_status(str(mountpoint))
             result["daemon_peak_rss"] = vm_hwm(status["pid"])
@@ -193,8 +215,8 @@ class Bench:
 
     def mode_rows(self, mode: str, spec: RankSpec, ranges, files, names) -> list[dict]:
         rows = []
-        measure = lambda label, kind, args, mnt=None: rows.append(  # noqa: E731
-            self.measure(label, kind, args, mode, files, mnt))
+        measure = lambda label, kind, args, view=None: rows.append(  # noqa: E731
+            self.row(label, kind, args, mode, files, view))
         cuda, paths = self.device != "cpu", self.paths
         if "limit" in paths:
             if mode == "cold":
@@ -208,11 +230,9 @@ class Bench:
         if "stock" in paths:
             measure("stock (engine-like, mmap)", "load", self.load_args(self.checkpoint, spec))
         if "rankfs" in paths:
-            with self.mounted(spec) as mnt:
-                measure("rankfs", "load", self.load_args(mnt / "target", spec), mnt)
+            measure("rankfs", "load", lambda mnt: self.load_args(mnt / "target", spec), spec)
         if "hook" in paths:
-            with self.mounted(spec) as mnt:
-                measure("rankfs + hook", "load", self.load_args(mnt / "target", spec, hook=True), mnt)
+            measure("rankfs + hook", "load", lambda mnt: self.load_args(mnt / "target", spec, hook=True), spec)
         for peer in self.peers if {"peers", "peers-on-view"} & paths else ():
             if peer == "instanttensor" and not cuda:
                 continue
@@ -225,9 +245,9 @@ class Bench:
                 if "peers" in paths:
                     measure(f"{peer} ({config})", "load", self.load_args(self.checkpoint, spec, peer, **extra))
                 if "peers-on-view" in paths:
-                    with self.mounted(spec) as mnt:
-                        measure(f"{peer} ({config}) on the view", "load",
-                                self.load_args(mnt / "target", spec, peer, **extra), mnt)
+                    measure(f"{peer} ({config}) on the view", "load",
+                            lambda mnt, peer=peer, extra=extra: self.load_args(mnt / "target", spec, peer, **extra),
+                            spec)
         return rows
 
 
@@ -236,8 +256,10 @@ def table(result: dict) -> str:
              f"{'mode':<5} {'path':<44} {'s':>6} {'GB/s':>6} {'x limit':>7} {'TTFB s':>6} {'steady':>6} "
              f"{'waited':>6} {'copy thr':>8} "
              f"{'release s':>9} {'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'hook GPU':>10} "
-             f"{'cache left':>10}"]
+             f"{'cache left':>10} {'runs s':>11}"]
     mib = lambda n: f"{n / 2**20:6.0f} MiB" if n else f"{'-':>10}"  # noqa: E731
+    spread = lambda r: (f"{min(r['runs_seconds']):.2f}-{max(r['runs_seconds']):.2f}"  # noqa: E731
+                        if len(r.get("runs_seconds", ())) > 1 else "-")
     bound = lambda r: (f"{r['waited']:6.2f} {r['copying'] / r['seconds']:8.1f}" if r.get("copying")  # noqa: E731
                        else f"{'-':>6} {'-':>8}")  # the limits copy nothing
     for r in result["rows"]:
@@ -250,7 +272,8 @@ def table(result: dict) -> str:
                      f"{r['steady_gb_per_s'] or float('nan'):6.2f} {bound(r)} {r.get('release_seconds', float('nan')):9.2f} "
                      f"{mib(r['peak_rss']):>10} "
                      f"{mib(r.get('daemon_peak_rss')):>10} {mib(release.get('peak_host_bytes')):>11} "
-                     f"{mib(release.get('peak_device_bytes')):>10} {mib(max(0, r['cached_after'])):>10}")
+                     f"{mib(release.get('peak_device_bytes')):>10} {mib(max(0, r['cached_after'])):>10} "
+                     f"{spread(r):>11}")
     return "\n".join(lines)
 
 
@@ -286,6 +309,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench-results", help="results.json and timeline.png go here")
     p.add_argument("--mount-args", default="", metavar="ARGS",
                    help="more 'rankfs mount' arguments for the rows through a view, e.g. '--push-threads 4'")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run each row N times, each in a fresh process (and mount); the median run "
+                        "(of an even N, the faster middle one) is reported, with every run's seconds (default: 1)")
     p.add_argument("--profile", action="store_true",
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread group")
     args = p.parse_args(argv)
@@ -313,7 +339,7 @@ def main(argv=None) -> int:
             profiles.mkdir(exist_ok=True)
         bench = Bench(source, workdir, args.device, [p for p in args.peers.split(",") if p],
                       set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl",
-                      profiles, tuple(args.mount_args.split()))
+                      profiles, tuple(args.mount_args.split()), args.repeat)
         try:
             results += [bench.case(name, mode_group) for name in args.cases.split(",")]
         finally:
