@@ -264,12 +264,6 @@ class Bounce:
         sent.record(self.stream)
         return sent
 
-    def flush(self):
-        """Upload what waits, and wait until every upload queued is done."""
-        self._upload()
-        if self.stream is not None:
-            self.stream.synchronize()
-
     def _take(self, nbytes: int) -> int:
         """The next buffer, of nbytes at least, once its last upload is done."""
         i, self.turn = self.turn, 1 - self.turn
@@ -302,7 +296,10 @@ class Bounce:
             self.buffers[i] = None
 
     def close(self):
-        self.flush()
+        """Upload what waits, wait for every upload, and let the buffers go."""
+        self._upload()
+        if self.stream is not None:
+            self.stream.synchronize()
         self._close(0)
         self._close(1)
 

@@ -98,7 +98,8 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
             spot = landing.place(begin, min(piece, nbytes - begin))
             spot.buffer[spot.at:spot.at + spot.nbytes] = data[begin:begin + spot.nbytes].tobytes()
             landing.landed(spot)
-        landing.flush()
+        landing.flush()  # a job's end
+        landing.filled()  # the group's
 
     budget.reserve(MIB)
     slab = device.allocate(MIB - 100, ["t"], "a.safetensors", on_death=lambda: deaths.append("t"))
