@@ -297,9 +297,9 @@ class Bounce:
 
     def close(self):
         """Upload what waits, wait for every upload, and let the buffers go."""
-        self._upload()
-        if self.stream is not None:
-            self.stream.synchronize()
+        sent = self.send()
+        if sent is not None:
+            sent.synchronize()
         self._close(0)
         self._close(1)
 
