@@ -6,6 +6,11 @@ sorted order; jobs are keyed (file, group, ...) and run lowest key first. A job 
 group read ahead) is admitted, its cost reserved, only in key order and only when the budget has
 room, unless it is urgent (the loader waits for it, in the file it consumes now). So a thread never
 waits for the budget, and what waits for it is what the loader needs last.
+
+Parts that are CPU work (copies out of the page cache in pieces of a few MB) run on half the
+threads at most: each takes the GIL between its calls, and the loader's loop, which hands out and
+narrows every tensor, waits behind each thread that wants it. Reads from the disk keep every thread
+(a read in flight each). Measured in docs/benchmark.md, eighteenth session.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ _thread = threading.local()
 
 
 class _Job:
-    __slots__ = ("key", "sequence", "future", "fn", "args", "cost", "urgent", "part")
+    __slots__ = ("key", "sequence", "future", "fn", "args", "cost", "urgent", "part", "cpu")
 
-    def __init__(self, key, sequence, future, fn, args, cost, urgent, part=False):
+    def __init__(self, key, sequence, future, fn, args, cost, urgent, part=False, cpu=False):
         self.key, self.sequence, self.future, self.fn, self.args = key, sequence, future, fn, args
         self.cost, self.urgent = cost, urgent
         self.part = part  # a part of a group's reads (run_all), which any thread may run
+        self.cpu = cpu  # a part that is CPU work: on half the threads at most
 
     def __lt__(self, other):
         return (self.key, self.sequence) < (other.key, other.sequence)
@@ -53,6 +59,8 @@ class OrderedExecutor:
         self._closed = False
         self._held_back = False  # the last look at the queue left a costly job waiting for room
         self._budget = budget
+        self.cpu_threads = max(1, threads // 2)  # that may run CPU-work parts at once
+        self._cpu_running = 0
         if budget is not None:
             budget.on_release(self.wake)
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
@@ -66,12 +74,12 @@ class OrderedExecutor:
         run, or once urgent() holds."""
         return self._enqueue(key, fn, args, cost, urgent)
 
-    def _enqueue(self, key, fn, args, cost=0, urgent=None, part=False) -> Future:
+    def _enqueue(self, key, fn, args, cost=0, urgent=None, part=False, cpu=False) -> Future:
         future: Future = Future()
         with self._ready:
             if self._closed:
                 raise RuntimeError("the hook's read threads were shut down")
-            bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent, part))
+            bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent, part, cpu))
             self._ready.notify()
         return future
 
@@ -95,15 +103,16 @@ class OrderedExecutor:
             if self._held_back:
                 self._ready.notify()
 
-    def run_all(self, key: tuple, jobs: list):
+    def run_all(self, key: tuple, jobs: list, cpu: bool = False):
         """Run every job (a callable) on this thread and on whichever others are free for them
-        (queued under key + (i,), before any later key); return when all are done, raising the
-        first error. Until they are, this thread runs the first part of any group queued, its own
-        or one the loader needs sooner, and starts a group the loader needs sooner: threads that
-        took groups read ahead (eight at the start of a load) would otherwise each read their own,
-        and the file the loader waits for would get one thread of eight, or none. It never waits
-        on queued work, only on jobs running."""
-        parts = [self._enqueue((*key, i), job, (), part=True) for i, job in enumerate(jobs)]
+        (queued under key + (i,), before any later key), on half the threads at most where they
+        are CPU work (`cpu`); return when all are done, raising the first error. Until they are,
+        this thread runs the first part of any group queued, its own or one the loader needs
+        sooner, and starts a group the loader needs sooner: threads that took groups read ahead
+        (eight at the start of a load) would otherwise each read their own, and the file the loader
+        waits for would get one thread of eight, or none. It never waits on queued work, only on
+        jobs running."""
+        parts = [self._enqueue((*key, i), job, (), part=True, cpu=cpu) for i, job in enumerate(jobs)]
         while not all(part.done() for part in parts):
             with self._ready:
                 # Once per thread, no deeper: when every thread holds a group, the file the loader
@@ -113,7 +122,7 @@ class OrderedExecutor:
             if job is None:
                 break
             if job.part:
-                job.run()
+                self._run(job)
                 continue
             _thread.nested = True
             try:
@@ -155,6 +164,8 @@ class OrderedExecutor:
             i += 1
             if not job.part and sooner_than is not None and not job.key < sooner_than:
                 continue
+            if job.cpu and self._cpu_running >= self.cpu_threads:
+                continue
             if job.cost and self._budget is not None:
                 if held_back is not None:
                     continue
@@ -163,6 +174,7 @@ class OrderedExecutor:
                     self._held_back = True
                     continue
                 self._budget.reserve(job.cost)
+            self._cpu_running += job.cpu
             return self._queue.pop(i - 1)
         return None
 
@@ -188,5 +200,11 @@ class OrderedExecutor:
 
     def _run(self, job: _Job):
         """Run an admitted job; a cancelled one gives its reserved cost back."""
-        if not job.run() and job.cost and self._budget is not None:
-            self._budget.release(job.cost)
+        try:
+            if not job.run() and job.cost and self._budget is not None:
+                self._budget.release(job.cost)
+        finally:
+            if job.cpu:
+                with self._ready:
+                    self._cpu_running -= 1
+                    self._ready.notify()  # a CPU-work part may have waited for this one

@@ -11,7 +11,8 @@
                                                    engine's parameters are on, when there is CUDA
     RANKFS_HOOK_SLAB_MB     256                    slab size, MiB (rounded down to a power of two)
     RANKFS_HOOK_INFLIGHT_GB 4                      memory read ahead of the loader, GiB
-    RANKFS_HOOK_THREADS     8                      read threads
+    RANKFS_HOOK_THREADS     8                      read threads (half of them at most for copies
+                                                   out of the page cache in small reads)
     RANKFS_RANK             (torch.distributed)    this process's rank, for a mount of several
                                                    local ranks
 

@@ -42,6 +42,7 @@ from rankfs.reader.io import PAGE, OpenFile, align_up, covering_pages
 ROWS_BYTES = 8 << 20  # whole rows of a slice read at once
 RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small enough to spread over threads
 WINDOW_SHARE = 32  # a window holds a 32nd of a slab at least: 8 MiB of the default 256
+SMALL_READ_BYTES = 4 << 20  # a group's reads under this on average are CPU work when cached
 
 _thread = threading.local()
 
@@ -349,7 +350,8 @@ class StagedFile(RankfsFile):
                 jobs += [(*self._where(name), self.span(name)[1],
                           functools.partial(self._read_rows, name, landing, staging.offsets[name]))
                          for name in staging.in_slab if self.block(name) is None]
-            self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2]), landing))
+            self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2]), landing),
+                                        cpu=self._cpu_work(staging))
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
             made = {id(s): s.reserved for s, _ in placed.values()}
             self._hook.budget.release(self._costs[group] - sum(made.values()))
@@ -357,6 +359,21 @@ class StagedFile(RankfsFile):
         if landing is not None:
             landing.filled()
         return placed
+
+    def _cpu_work(self, staging: Staging) -> bool:
+        """Whether a group's slab is filled by copies out of the page cache in reads of a few MB on
+        average (sliced experts, their sources cached): work for the CPU alone, which half the read
+        threads do as fast as all of them (rankfs.loader.ordered). Read from the disk, every thread
+        keeps a read in flight. One cachestat per source, over all of the group's reads from it."""
+        reads = [(run.source, run.offset, run.length) for run in staging.runs]
+        reads += [(self.locate(name)[0], *self.span(name)) for name in staging.in_slab if self.block(name) is None]
+        if not reads or sum(nbytes for *_, nbytes in reads) >= len(reads) * SMALL_READ_BYTES:
+            return False
+        spans: dict[OpenFile, tuple[int, int]] = {}
+        for source, offset, nbytes in reads:
+            begin, end = spans.get(source, (offset, offset + nbytes))
+            spans[source] = (min(begin, offset), max(end, offset + nbytes))
+        return all(source.cached(begin, end) for source, (begin, end) in spans.items())
 
     def _allocate(self, size: int, names: list[str]) -> HostLanding | DeviceLanding:
         """A slab for a group, in GPU memory where the hook stages there and the device has room."""

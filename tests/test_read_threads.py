@@ -54,6 +54,33 @@ def test_a_group_read_by_every_free_thread_completes_even_when_all_are_busy_with
     pool.shutdown()
 
 
+def test_parts_that_are_cpu_work_run_on_half_the_threads_at_most():
+    """Copies out of the page cache take the GIL the loader's loop needs: a group of them runs on
+    half the threads at most (the caller of run_all counts), reads on every free thread."""
+    pool = OrderedExecutor(4, "test")
+    state = threading.Condition()
+    running, peak, started = 0, 0, 0
+
+    def part(together: int):
+        """Wait for the others of its batch of `together` (or for one too many)."""
+        nonlocal running, peak, started
+        with state:
+            running += 1
+            started += 1
+            peak = max(peak, running)
+            batch_end = -(-started // together) * together
+            state.notify_all()
+            state.wait_for(lambda: started >= batch_end or peak > together, timeout=10)
+            running -= 1
+
+    pool.run_all(("f", 0), [lambda: part(5)] * 10)  # four threads and this one, all at once
+    assert peak == 5
+    peak = started = 0
+    pool.run_all(("f", 1), [lambda: part(2)] * 10, cpu=True)
+    assert peak == pool.cpu_threads == 2
+    pool.shutdown()
+
+
 def test_a_group_the_loader_needs_sooner_starts_on_a_thread_inside_a_group():
     """Every thread is inside a group (one thread here): a group with a lower key, submitted
     meanwhile (the loader opened the file it consumes first last), starts on that thread before
