@@ -28,20 +28,28 @@ class ViewProgress:
         self.mountpoint, self.view_dir = mountpoint, view_dir
         self.loaded = 0
         self._reported_at = 0.0
-        self._lock = threading.Lock()
+        self._counting = threading.Lock()
+        self._sending = threading.Lock()  # one report at a time
         self._silent = False
         # At once, so that the daemon stops reading ahead what this process reads itself, but not on
         # the thread opening the view's first file: the write waits for the daemon to answer.
         threading.Thread(target=self.flush, name="rankfs-report", daemon=True).start()
 
     def add(self, nbytes: int):
-        with self._lock:
+        """Count bytes loaded; report them where one is due and none is being sent. Called on the
+        loader's threads as tensors are handed out or let go: none waits for another's report (a
+        write through the mount, three FUSE round trips), which held a warm sliced load's copy
+        threads 13 % of their samples on the 2-core VM."""
+        with self._counting:
             self.loaded += nbytes
-            if time.monotonic() - self._reported_at >= REPORT_INTERVAL:
+        if time.monotonic() - self._reported_at >= REPORT_INTERVAL and self._sending.acquire(blocking=False):
+            try:
                 self._report()
+            finally:
+                self._sending.release()
 
     def flush(self):
-        with self._lock:
+        with self._sending:
             self._report()
 
     def _report(self):
