@@ -180,6 +180,31 @@ def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_di
 
 
 @pytest.mark.mount
+def test_tensors_left_in_cycles_during_a_load_die_at_its_release_without_a_full_collection(tiny_checkpoint,
+                                                                                          mount_dir, hook):
+    """The collector is paused during a load, so what the loader dropped in reference cycles is
+    young at the release: a young collection frees it, and no full one walks the engine's heap."""
+    generations = []
+
+    def note(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+        load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint)
+        with safetensors.safe_open(sorted((mount_dir / "target").glob("*.safetensors"))[0], framework="pt") as f:
+            cycle = [f.get_tensor(name) for name in f.keys()]
+        cycle.append(cycle)
+        del cycle
+        gc.callbacks.append(note)
+        try:
+            figures = loader.release("target")
+        finally:
+            gc.callbacks.remove(note)
+        assert figures["slabs_alive"] == 0 and loader.current().budget.used == 0
+        assert 0 in generations and 2 not in generations
+
+
+@pytest.mark.mount
 def test_an_open_outside_an_engines_load_leaves_the_collector_running(tiny_checkpoint, mount_dir, hook, monkeypatch):
     """Where an engine's entry points delimit the loads, a rankfs file opened outside them (a look at a
     header) pauses nothing that only a release would undo; inside one the collector is paused until
