@@ -204,6 +204,21 @@ def _batches(reads: list, landing) -> list:
     return [functools.partial(_run_each, batch, landing) for batch in jobs]
 
 
+def _cpu_work(reads: list) -> bool:
+    """Whether a group's slab is filled by copies out of the page cache, `reads` (source, offset,
+    bytes, callable) of a few MB on average (sliced experts, their sources cached): work for the
+    CPU alone, which half the read threads do as fast as all of them (rankfs.loader.ordered). Read
+    from the disk, every thread keeps a read in flight. One cachestat per source, over all of the
+    group's reads from it."""
+    if not reads or sum(nbytes for _, _, nbytes, _ in reads) >= len(reads) * SMALL_READ_BYTES:
+        return False
+    spans: dict[OpenFile, tuple[int, int]] = {}
+    for source, offset, nbytes, _ in reads:
+        begin, end = spans.get(source, (offset, offset + nbytes))
+        spans[source] = (min(begin, offset), max(end, offset + nbytes))
+    return all(source.cached(begin, end) for source, (begin, end) in spans.items())
+
+
 def _run_each(reads: list, landing):
     for read in reads:
         read()
@@ -341,17 +356,19 @@ class StagedFile(RankfsFile):
         jobs = [(span.source.path, span.begin, span.end - span.begin, functools.partial(self._map_window, span, placed))
                 for span in staging.windows]  # (path, offset, bytes, callable), sorted into file order below
         landing = None
+        reads = []  # into the slab: (source, offset, bytes, callable)
         try:
             if staging.in_slab:
                 landing = self._allocate(staging.size, staging.in_slab)
                 placed.update((name, (landing.slab, staging.offsets[name])) for name in staging.in_slab)
-                jobs += [(run.source.path, run.offset, run.length, functools.partial(self._read_run, run, landing))
-                         for run in staging.runs]
-                jobs += [(*self._where(name), self.span(name)[1],
-                          functools.partial(self._read_rows, name, landing, staging.offsets[name]))
-                         for name in staging.in_slab if self.block(name) is None]
+                reads += [(run.source, run.offset, run.length, functools.partial(self._read_run, run, landing))
+                          for run in staging.runs]
+                reads += [(self.locate(name)[0], *self.span(name),
+                           functools.partial(self._read_rows, name, landing, staging.offsets[name]))
+                          for name in staging.in_slab if self.block(name) is None]
+            jobs += [(source.path, offset, nbytes, read) for source, offset, nbytes, read in reads]
             self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2]), landing),
-                                        cpu=self._cpu_work(staging))
+                                        cpu=_cpu_work(reads))
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
             made = {id(s): s.reserved for s, _ in placed.values()}
             self._hook.budget.release(self._costs[group] - sum(made.values()))
@@ -359,21 +376,6 @@ class StagedFile(RankfsFile):
         if landing is not None:
             landing.filled()
         return placed
-
-    def _cpu_work(self, staging: Staging) -> bool:
-        """Whether a group's slab is filled by copies out of the page cache in reads of a few MB on
-        average (sliced experts, their sources cached): work for the CPU alone, which half the read
-        threads do as fast as all of them (rankfs.loader.ordered). Read from the disk, every thread
-        keeps a read in flight. One cachestat per source, over all of the group's reads from it."""
-        reads = [(run.source, run.offset, run.length) for run in staging.runs]
-        reads += [(self.locate(name)[0], *self.span(name)) for name in staging.in_slab if self.block(name) is None]
-        if not reads or sum(nbytes for *_, nbytes in reads) >= len(reads) * SMALL_READ_BYTES:
-            return False
-        spans: dict[OpenFile, tuple[int, int]] = {}
-        for source, offset, nbytes in reads:
-            begin, end = spans.get(source, (offset, offset + nbytes))
-            spans[source] = (min(begin, offset), max(end, offset + nbytes))
-        return all(source.cached(begin, end) for source, (begin, end) in spans.items())
 
     def _allocate(self, size: int, names: list[str]) -> HostLanding | DeviceLanding:
         """A slab for a group, in GPU memory where the hook stages there and the device has room."""
@@ -393,10 +395,6 @@ class StagedFile(RankfsFile):
         self._slab_born()
         for name in span.names:
             placed[name] = (window, self.block(name) - span.begin)
-
-    def _where(self, name: str) -> tuple[str, int]:
-        source, offset = self.locate(name)
-        return source.path, offset
 
     def _slab_born(self):
         with self._lock:
