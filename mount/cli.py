@@ -121,6 +121,10 @@ def parser():
     g.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
                    help="FUSE mount options, passed to libfuse (e.g. -o allow_other)")
     _switch(g, "--debug-fuse", help="log every FUSE request (libfuse's debug option)")
+    g.add_argument("--trace", metavar="FILE",
+                   help="write the read engine's events to FILE, a JSON line each: every chunk queued "
+                        "for read-ahead, read, pushed and first asked for, every request and the seconds "
+                        "its answer took (default: none; for diagnosis: python3 -m dev.bench.trace)")
     _switch(g, "--foreground", "-f", help="stay attached and log to stderr")
     g.add_argument("--log", metavar="FILE",
                    help="the daemon's log (default: /var/log/rankfs/MOUNTPOINT.log as root, else "
@@ -208,7 +212,7 @@ def cmd_mount(args) -> int:
         allow_other=allow_other,
         allow_outside_symlinks=args.allow_outside_symlinks,
         fuse_options=tuple(o for o in options if o != "allow_other"), debug_fuse=args.debug_fuse,
-        log_file=log_file)
+        trace_file=args.trace and os.path.abspath(args.trace), log_file=log_file)
     code = mount(config, args.foreground)
     if code == EXIT_OK and args.progress and not args.foreground:
         from rankfs.mount.status_view import watch_until

@@ -34,6 +34,7 @@ class MountConfig:
     allow_outside_symlinks: bool = False
     fuse_options: tuple[str, ...] = ()  # passed to libfuse (-o)
     debug_fuse: bool = False
+    trace_file: str | None = None  # the read engine's events (reader.trace)
     log_file: str | None = None
     started: float = field(default_factory=time.time)
 

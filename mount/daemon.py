@@ -23,6 +23,7 @@ from rankfs.mount.config import MountConfig
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import RankLayout, plan_ranks
 from rankfs.reader.engine import ReadEngine
+from rankfs.reader.trace import Trace
 from rankfs.vfs.fs import RankFS
 from rankfs.vfs.push import push_prefetched
 from rankfs.vfs.tree import Tree
@@ -39,7 +40,8 @@ class Daemon:
     def __init__(self, config: MountConfig, layouts: list[RankLayout]):
         self.config = config
         self.layouts = layouts
-        self.engine = ReadEngine(layouts[0].sources, config.budget_bytes, config.workers, config.direct_io)
+        self.engine = ReadEngine(layouts[0].sources, config.budget_bytes, config.workers, config.direct_io,
+                                 Trace(config.trace_file))
         self.tree = Tree(layouts, self.engine, self.status_json, allow_other=config.allow_other)
         self.ops = RankFS(self.tree, self.engine, self.command)
         self._rate = (time.monotonic(), 0, 0.0)  # (when, bytes read then, bytes/s)
@@ -188,6 +190,7 @@ def serve(config: MountConfig, ready_fd: int | None) -> int:
         unmounted = contract.find_mount(config.mountpoint) is None
     finally:
         pyfuse3.close(unmount=not unmounted)
+        daemon.engine.trace.close()
         log.info("unmounted %s", config.mountpoint)
     return 0
 

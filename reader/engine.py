@@ -27,6 +27,7 @@ from rankfs.reader.chunks import CHUNK_BYTES, Chunk, Fill
 from rankfs.reader.holdings import DEMAND_SLACK, Holdings
 from rankfs.reader.loading import BackingError, SourceReader
 from rankfs.reader.schedule import FileStream, ViewStream
+from rankfs.reader.trace import Trace
 
 log = logging.getLogger("rankfs.reader")
 
@@ -45,9 +46,10 @@ __all__ = ["BackingError", "ReadEngine", "DEMAND_SLACK"]
 
 class ReadEngine:
     def __init__(self, sources: tuple[Source, ...], budget_bytes: int, workers: int = 8,
-                 direct_io: bool = False):
+                 direct_io: bool = False, trace: Trace | None = None):
         self.direct_io = direct_io
         self.stats = Stats()
+        self.trace = trace or Trace()
         self.views: dict[str, ViewStream] = {}
         self._reader = SourceReader(sources, direct_io)
         self._limiter = trio.CapacityLimiter(workers)
@@ -138,6 +140,8 @@ class ReadEngine:
 
     def served(self, chunk: Chunk, nbytes: int):
         """Account bytes a loader's read was answered with."""
+        if not chunk.requested:
+            self.trace.chunk("first", chunk)
         chunk.requested = True
         if chunk.file is not None:
             chunk.file.served += nbytes
@@ -182,9 +186,11 @@ class ReadEngine:
         the edges. The chunk still counts against the budget until the loader reads its first page."""
         if chunk.fill:
             self.stats.pushed_fill_bytes += end - start
+            self.trace.chunk("pushed", chunk, pushed=end - start)
             return
         if chunk.backing is not backing:
             return  # freed while it was being pushed (and maybe loaded again since)
+        self.trace.chunk("pushed", chunk, pushed=end - start)
         a, b = start - chunk.start, end - chunk.start
         chunk.head, chunk.tail = bytes(chunk.buffer[:a]), bytes(chunk.buffer[b:])
         chunk.buffer = None
@@ -253,6 +259,7 @@ class ReadEngine:
                         self._pushable_send.send_nowait(chunk)  # nothing to read: pushed at once
                     continue  # else read this pass, read by the loader, in memory or being read
                 chunk.prefetched = view.passes
+                self.trace.chunk("queued", chunk)
                 self.stats.prefetch_loads += 1
                 self.budget.reserve(self.held.cost(chunk))
                 chunk.loading = trio.Event()  # before the task starts: a demand read must wait for it
@@ -279,6 +286,7 @@ class ReadEngine:
                 self.stats.read_bytes[chunk.source] += chunk.length
                 self.stats.reread_bytes += chunk.length if chunk.reads else 0
             chunk.reads += 1
+            self.trace.chunk("read", chunk, demand=not prefetched)
             self.held.add(chunk)
             if prefetched and self._pushing and drops == self.drops:
                 self._pushable_send.send_nowait(chunk)

@@ -6,15 +6,19 @@ skip). The others run as any user."""
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from dev.fixtures import deepseek_v4
 from dev.session import ROOT, mounted, rankfs  # noqa: F401  (the tests import them from here)
+from rankfs import contract
 
 
 def pytest_runtest_setup(item):
@@ -35,9 +39,35 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return deepseek_v4.write(tmp_path_factory.mktemp("ckpt") / "dsv4", deepseek_v4.FixtureSpec.tiny())
 
 
+@pytest.fixture(scope="session")
+def large_checkpoint(tmp_path_factory) -> Path:
+    # ~0.6 GB: over four times a 128 MiB budget.
+    spec = deepseek_v4.FixtureSpec(layers=8, experts=16, hidden=2048, inter=1024, vocab=4096, shards=8,
+                                   draft_shards=1, draft_experts=8, draft_stages=1, engram_rows=1024)
+    return deepseek_v4.write(tmp_path_factory.mktemp("large") / "dsv4", spec)
+
+
 @pytest.fixture
 def mount_dir(tmp_path) -> Path:
     return tmp_path / "mnt"
+
+
+def settled_status(mount_dir, timeout: float = 30) -> dict:
+    """The daemon's status once it has dropped every served source page from the page cache (a
+    thread of its own does that, just after the replies)."""
+    deadline = time.monotonic() + timeout
+    while (status := contract.read_status(str(mount_dir)))["uncache_pending_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return status
+
+
+def mapped_digests(directory) -> dict[str, str]:
+    """Each shard's digest, read through a map in file order (page faults, as mmap loaders read)."""
+    digests = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            digests[shard.name] = hashlib.sha256(mapped).hexdigest()
+    return digests
 
 
 EXPERT = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.(w[123])\.")

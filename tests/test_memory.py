@@ -4,36 +4,14 @@ after `rankfs drop` the views hold no page cache."""
 
 from __future__ import annotations
 
-import hashlib
-import mmap
-import time
-
 import pytest
 
-from conftest import mounted, rankfs
-from dev.fixtures import deepseek_v4
+from conftest import mapped_digests, mounted, rankfs, settled_status
 from dev.memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
 from rankfs import contract
 from rankfs.reader.engine import DEMAND_SLACK
 
 pytestmark = pytest.mark.mount
-
-
-@pytest.fixture(scope="module")
-def large_checkpoint(tmp_path_factory):
-    # ~0.6 GB: over four times the 128 MiB budget below.
-    spec = deepseek_v4.FixtureSpec(layers=8, experts=16, hidden=2048, inter=1024, vocab=4096, shards=8,
-                                   draft_shards=1, draft_experts=8, draft_stages=1, engram_rows=1024)
-    return deepseek_v4.write(tmp_path_factory.mktemp("large") / "dsv4", spec)
-
-
-def settled_status(mount_dir, timeout: float = 30):
-    """The daemon's status once it has dropped every served source page from the page cache (a
-    thread of its own does that, just after the replies)."""
-    deadline = time.monotonic() + timeout
-    while (status := contract.read_status(str(mount_dir)))["uncache_pending_bytes"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return status
 
 
 @pytest.mark.parametrize("flags", [["--tp-size", 2, "--tp-rank", 0, "--ep-size", 2],
@@ -66,15 +44,6 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
     # daemon let them pass keep their first page (it read 5-23 % more when they did not)
     assert planned <= status["read_bytes"] < 1.02 * planned
     assert peak < budget + 256 * MIB, f"daemon peak RSS {peak / MIB:.0f} MiB"
-
-
-def mapped_digests(directory) -> dict[str, str]:
-    """Each shard's digest, read through a map in file order (page faults, as mmap loaders read)."""
-    digests = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-            digests[shard.name] = hashlib.sha256(mapped).hexdigest()
-    return digests
 
 
 def test_pushed_views_read_as_served(large_checkpoint, mount_dir):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from typing import Awaitable, Callable
 
 import pyfuse3
@@ -143,6 +144,7 @@ class RankFS(pyfuse3.Operations):
         return len(buf)
 
     async def read(self, fh, off, size):
+        began = time.monotonic()
         content = self._handles[fh]
         end = min(off + size, content.size)
         pieces, owned = [], []
@@ -175,6 +177,7 @@ class RankFS(pyfuse3.Operations):
             raise
         self.requests += 1
         self.request_bytes += end - off
+        self.engine.trace.request(content.path, off, end - off, time.monotonic() - began)
         if len(pieces) == 1:  # the reply may be the engine's memory: owned until it is written
             if owned:
                 trio.lowlevel.current_trio_token().run_sync_soon(self.engine.replied, owned)

@@ -90,6 +90,7 @@ class LazyView:
         chunks += [c for e in extents if e.kind == "fill" for c in split_extent(e)]
         for chunk in chunks:
             chunk.file_id = inode
+        self.engine.trace.file(inode, f"{self.directory}/{vfile.name}")
         self._built.append((Content(vfile.size, extents, vfile.header, runs, path=f"{self.directory}/{vfile.name}"),
                             chunks))
         return True

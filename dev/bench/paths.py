@@ -41,7 +41,7 @@ def _timed(work, progress: Progress) -> dict:
     sampler.join()
     samples.append((round(seconds, 3), progress.bytes))
     del kept
-    return {"seconds": seconds, "bytes": progress.bytes, "timeline": samples, "peak_rss": vm_hwm(),
+    return {"seconds": seconds, "started": began, "bytes": progress.bytes, "timeline": samples, "peak_rss": vm_hwm(),
             "waited": progress.waited, "copying": progress.copying}
 
 

@@ -4,6 +4,7 @@ storage, on the same data.
 
     python3 -m dev bench [--size-gb 8] [--cases ep2,ep1-sliced] [--modes cold,warm] [--device cpu|cuda]
                          [--peers instanttensor,fastsafetensors,runai] [--out DIR] [--repeat N] [--profile]
+                         [--trace]
 
 Modes: `cold` drops the page cache before each path (needs root); `warm` reads the sources into it
 first (the stand-in for storage faster than the disk); `tmpfs` copies the checkpoint into /dev/shm.
@@ -38,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dev.bench import profile
+from dev.bench import trace as dev_trace
 from dev.fixtures import deepseek_v4
 from dev.memstate import vm_hwm
 from dev.session import ROOT, mounted
@@ -120,10 +122,11 @@ def shape(result: dict, planned: int):
 
 class Bench:
     def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
-                 journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = (), repeat: int = 1):
+                 journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = (), repeat: int = 1,
+                 traces: Path | None = None):
         self.checkpoint, self.workdir, self.device, self.peers, self.log = checkpoint, workdir, device, peers, log
         self.paths, self.journal, self.profiles, self.mount_args = paths, journal, profiles, mount_args
-        self.repeat = repeat
+        self.repeat, self.traces = repeat, traces
         self.case_name = ""
 
     def row(self, label: str, kind: str, args, mode: str, files: list[str], view: RankSpec | None = None) -> dict:
@@ -137,8 +140,12 @@ class Bench:
             if view is None:
                 runs.append(self.measure(label, kind, args, mode, files, run=run))
                 continue
-            with self.mounted(view) as mnt:
+            trace = self.traces / f"{self.slug(label, mode, run)}.jsonl" if self.traces else None
+            with self.mounted(view, trace) as mnt:
                 runs.append(self.measure(label, kind, args(mnt), mode, files, mnt, run))
+            if trace is not None and trace.exists():  # complete once unmounted
+                trace.with_suffix(".summary.txt").write_text(
+                    dev_trace.summarize(dev_trace.read_events(trace), runs[-1]) + "\n")
         timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
         if not timed:
             return runs[-1]
@@ -154,9 +161,7 @@ class Bench:
             warm(files)
         record = None
         if self.profiles is not None and kind == "load":
-            numbered = f" {run + 1}" if self.repeat > 1 else ""
-            slug = re.sub(r"[^a-z0-9]+", "-", f"{self.case_name} {mode} {label}{numbered}".lower()).strip("-")
-            record = self.profiles / f"{slug}.txt"
+            record = self.profiles / f"{self.slug(label, mode, run)}.txt"
         before = meminfo()
         result = run_path(kind, args, record)
         after = meminfo()
@@ -184,8 +189,14 @@ class Bench:
                 "layout": {"moe_tp_size": spec.moe_tp_size, "moe_tp_rank": spec.moe_tp_rank,
                            "ep_size": spec.ep_size, "ep_rank": spec.ep_rank}}
 
-    def mounted(self, spec: RankSpec):
-        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size, *self.mount_args)
+    def slug(self, label: str, mode: str, run: int) -> str:
+        """A row's run as a file name: ep2-warm-rankfs-2."""
+        numbered = f" {run + 1}" if self.repeat > 1 else ""
+        return re.sub(r"[^a-z0-9]+", "-", f"{self.case_name} {mode} {label}{numbered}".lower()).strip("-")
+
+    def mounted(self, spec: RankSpec, trace: Path | None = None):
+        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size, *self.mount_args,
+                 *(("--trace", trace) if trace else ()))
         return mounted(self.checkpoint, self.workdir / "mnt", *flags, log=self.workdir / "rankfs.log")
 
     def case(self, name: str, modes: list[str]) -> dict:
@@ -314,6 +325,9 @@ def main(argv=None) -> int:
                         "(of an even N, the faster middle one) is reported, with every run's seconds (default: 1)")
     p.add_argument("--profile", action="store_true",
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread group")
+    p.add_argument("--trace", action="store_true",
+                   help="trace the daemon of each row through a view (rankfs mount --trace): "
+                        "OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace)")
     args = p.parse_args(argv)
     size = args.size_gb or (24.0 if args.device != "cpu" else 8.0)
     workdir = Path(args.workdir)
@@ -335,11 +349,13 @@ def main(argv=None) -> int:
             source = Path("/dev/shm") / checkpoint.name
             shutil.copytree(checkpoint, source, dirs_exist_ok=True)
         profiles = out / "profiles" if args.profile else None
-        if profiles is not None:
-            profiles.mkdir(exist_ok=True)
+        traces = out / "traces" if args.trace else None
+        for folder in (profiles, traces):
+            if folder is not None:
+                folder.mkdir(exist_ok=True)
         bench = Bench(source, workdir, args.device, [p for p in args.peers.split(",") if p],
                       set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl",
-                      profiles, tuple(args.mount_args.split()), args.repeat)
+                      profiles, tuple(args.mount_args.split()), args.repeat, traces)
         try:
             results += [bench.case(name, mode_group) for name in args.cases.split(",")]
         finally:

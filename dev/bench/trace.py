@@ -1,0 +1,79 @@
+"""What a load through a view waited on, from the daemon's trace (`rankfs mount --trace FILE`) and,
+where given, the benchmark row of that load (its timeline, on the same clock).
+
+    python3 -m dev bench ... --trace            # a trace and its summary per row through a view
+    python3 -m dev.bench.trace TRACE [ROW_JSON] [--step SECONDS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+GB = 1e9
+
+
+def _quantiles(values: list[float]) -> str:
+    values = sorted(values)
+    if not values:
+        return "-"
+    q = lambda f: values[min(len(values) - 1, int(f * len(values)))]  # noqa: E731
+    return f"{q(0.5):.3f} (p10 {q(0.1):.3f}, p90 {q(0.9):.3f}, p99 {q(0.99):.3f})"
+
+
+def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) -> str:
+    requests = [e for e in events if e["event"] == "request" and e["path"]]
+    chunk = lambda e: (e["inode"], e["offset"])  # noqa: E731
+    pushed = {chunk(e): e["t"] for e in events if e["event"] == "pushed" and not e["fill"]}
+    first = {chunk(e): e["t"] for e in events if e["event"] == "first"}
+    reads = [e for e in events if e["event"] == "read"]
+    sizes = collections.Counter("1 MiB" if e["bytes"] >= 1 << 20 else "8 KiB or less" if e["bytes"] <= 8192
+                                else "between" for e in requests)
+    ahead = [first[c] - t for c, t in pushed.items() if c in first and t < first[c]]
+    lines = [
+        f"requests: {len(requests)}, {sum(e['bytes'] for e in requests) / GB:.2f} GB "
+        f"({', '.join(f'{n} of {k}' for k, n in sizes.most_common())}); answered in {_quantiles([e['seconds'] for e in requests])} s",
+        f"chunks read: {sum(not e['demand'] for e in reads)} ahead, {sum(e['demand'] for e in reads)} for a waiting request; "
+        f"pushed {sum(e['pushed'] for e in events if e['event'] == 'pushed' and not e['fill']) / GB:.2f} GB "
+        f"(+ {sum(e['pushed'] for e in events if e['event'] == 'pushed' and e['fill']) / GB:.2f} GB of fill)",
+        f"chunks a loader asked for: {len(first)}, {len(ahead)} of them pushed before, by {_quantiles(ahead)} s",
+    ]
+    events = [e for e in events if e["event"] != "file"]  # laid out at the mount, before any load
+    if not events:
+        return "\n".join(lines)
+    start = row["started"] if row and "started" in row else events[0]["t"]
+    timeline = row.get("timeline", []) if row else []
+    lines.append(f"\n{'t s':>6} {'loader GB':>9} {'req MB':>7} {'pushed MB':>9} {'read MB':>8} "
+                 f"{'files pushed':>12} {'files asked':>11}")
+    end = max(e["t"] for e in events) - start
+    for i in range(int(min(0, events[0]["t"] - start) // step), int(end // step) + 1):
+        lo, hi = start + i * step, start + (i + 1) * step
+        span = [e for e in events if lo <= e["t"] < hi]
+        mb = lambda kind, key="bytes": sum(e[key] for e in span if e["event"] == kind) / 2**20  # noqa: E731
+        landed = max([b for t, b in timeline if t <= (i + 1) * step] or [0]) / GB
+        lines.append(f"{i * step:6.1f} {landed:9.2f} {mb('request'):7.0f} {mb('pushed', 'pushed'):9.0f} "
+                     f"{mb('read'):8.0f} {len({e['inode'] for e in span if e['event'] == 'pushed'}):12d} "
+                     f"{len({e['inode'] for e in span if e['event'] == 'first'}):11d}")
+    return "\n".join(lines)
+
+
+def read_events(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m dev.bench.trace", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="the daemon's trace (rankfs mount --trace FILE)")
+    p.add_argument("row", nargs="?", help="the load's benchmark row, JSON (a line of rows.jsonl)")
+    p.add_argument("--step", type=float, default=0.5, help="seconds per line of the timeline (default: 0.5)")
+    args = p.parse_args(argv)
+    row = json.loads(open(args.row).read()) if args.row else None
+    print(summarize(read_events(args.trace), row, args.step))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The daemon's read events, a JSON line each, for diagnosis (`rankfs mount --trace FILE`; read by
+`python3 -m dev.bench.trace`): when each chunk was queued for read-ahead, read, pushed and first
+asked for, and each request the kernel made, with the seconds its answer took. Times are the
+monotonic clock's, which a loader on the same host can share. Every event is recorded on the
+event-loop thread; off, each call returns at once."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+class Trace:
+    def __init__(self, path: str | None = None):
+        self._out = open(path, "w", buffering=1 << 20) if path else None
+
+    def file(self, inode: int, path: str):
+        """A virtual file laid out: the inode the other events name it by."""
+        self._write({"event": "file", "inode": inode, "path": path})
+
+    def chunk(self, event: str, chunk, **fields):
+        """queued, read (demand: a loader waited for it), pushed, first (a loader's first request)."""
+        if self._out is not None:
+            self._write({"event": event, "inode": chunk.file_id, "offset": chunk.start, "bytes": chunk.length,
+                         "fill": chunk.fill, **fields})
+
+    def request(self, path: str, offset: int, nbytes: int, seconds: float):
+        self._write({"event": "request", "path": path, "offset": offset, "bytes": nbytes,
+                     "seconds": round(seconds, 6)})
+
+    def _write(self, event: dict):
+        if self._out is not None:
+            self._out.write(json.dumps({"t": round(time.monotonic(), 6), **event}) + "\n")
+
+    def close(self):
+        if self._out is not None:
+            self._out.close()
+            self._out = None

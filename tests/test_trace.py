@@ -1,0 +1,35 @@
+"""`rankfs mount --trace FILE`: the read engine's events, accounting for what the daemon counted,
+and the benchmark's summary of them."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from conftest import mapped_digests, mounted, settled_status
+from dev.bench import trace as dev_trace
+from dev.memstate import MIB
+
+pytestmark = pytest.mark.mount
+
+
+def test_a_trace_accounts_for_the_chunks_the_daemon_read_and_pushed(large_checkpoint, mount_dir, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    flags = ("--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 128 * MIB / (1 << 30), "--trace", trace)
+    with mounted(large_checkpoint, mount_dir, *flags):
+        mapped_digests(mount_dir / "target")
+        status = settled_status(mount_dir)
+    events = dev_trace.read_events(trace)  # complete once unmounted
+    count = collections.Counter(e["event"] for e in events)
+    data = sum(e["pushed"] for e in events if e["event"] == "pushed" and not e["fill"])
+    fill = sum(e["pushed"] for e in events if e["event"] == "pushed" and e["fill"])
+    assert count["queued"] == status["prefetch_loads"] > 0
+    assert sum(e["demand"] for e in events if e["event"] == "read") == status["demand_loads"]
+    assert (data, fill) == (status["pushed_bytes"], status["pushed_fill_bytes"]) and data > 0 and fill > 0
+    paths = {e["inode"]: e["path"] for e in events if e["event"] == "file"}
+    requested = {e["path"] for e in events if e["event"] == "request" and e["path"]}
+    assert requested and requested <= set(paths.values())
+    assert {paths[e["inode"]] for e in events if e["event"] == "first"} <= requested
+    summary = dev_trace.summarize(events)
+    assert f"chunks read: {count['read'] - status['demand_loads']} ahead" in summary
