@@ -16,7 +16,8 @@ class Trace:
 
     def file(self, inode: int, path: str):
         """A virtual file laid out: the inode the other events name it by."""
-        self._write({"event": "file", "inode": inode, "path": path})
+        if self._out is not None:
+            self._write({"event": "file", "inode": inode, "path": path})
 
     def chunk(self, event: str, chunk, **fields):
         """queued, read (demand: a loader waited for it), pushed, first (a loader's first request)."""
@@ -25,12 +26,12 @@ class Trace:
                          "fill": chunk.fill, **fields})
 
     def request(self, path: str, offset: int, nbytes: int, seconds: float):
-        self._write({"event": "request", "path": path, "offset": offset, "bytes": nbytes,
-                     "seconds": round(seconds, 6)})
+        if self._out is not None:
+            self._write({"event": "request", "path": path, "offset": offset, "bytes": nbytes,
+                         "seconds": round(seconds, 6)})
 
     def _write(self, event: dict):
-        if self._out is not None:
-            self._out.write(json.dumps({"t": round(time.monotonic(), 6), **event}) + "\n")
+        self._out.write(json.dumps({"t": round(time.monotonic(), 6), **event}) + "\n")
 
     def close(self):
         if self._out is not None:
