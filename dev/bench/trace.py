@@ -25,8 +25,9 @@ def _quantiles(values: list[float]) -> str:
 
 def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) -> str:
     requests = [e for e in events if e["event"] == "request" and e["path"]]
+    pushes = [e for e in events if e["event"] == "pushed"]
     chunk = lambda e: (e["inode"], e["offset"])  # noqa: E731
-    pushed = {chunk(e): e["t"] for e in events if e["event"] == "pushed" and not e["fill"]}
+    pushed = {chunk(e): e["t"] for e in pushes if not e["fill"]}
     first = {chunk(e): e["t"] for e in events if e["event"] == "first"}
     reads = [e for e in events if e["event"] == "read"]
     sizes = collections.Counter("1 MiB" if e["bytes"] >= 1 << 20 else "8 KiB or less" if e["bytes"] <= 8192
@@ -36,8 +37,8 @@ def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) ->
         f"requests: {len(requests)}, {sum(e['bytes'] for e in requests) / GB:.2f} GB "
         f"({', '.join(f'{n} of {k}' for k, n in sizes.most_common())}); answered in {_quantiles([e['seconds'] for e in requests])} s",
         f"chunks read: {sum(not e['demand'] for e in reads)} ahead, {sum(e['demand'] for e in reads)} for a waiting request; "
-        f"pushed {sum(e['pushed'] for e in events if e['event'] == 'pushed' and not e['fill']) / GB:.2f} GB "
-        f"(+ {sum(e['pushed'] for e in events if e['event'] == 'pushed' and e['fill']) / GB:.2f} GB of fill)",
+        f"pushed {sum(e['pushed'] for e in pushes if not e['fill']) / GB:.2f} GB "
+        f"(+ {sum(e['pushed'] for e in pushes if e['fill']) / GB:.2f} GB of fill)",
         f"chunks a loader asked for: {len(first)}, {len(ahead)} of them pushed before, by {_quantiles(ahead)} s",
     ]
     events = [e for e in events if e["event"] != "file"]  # laid out at the mount, before any load
@@ -45,12 +46,13 @@ def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) ->
         return "\n".join(lines)
     start = row["started"] if row and "started" in row else events[0]["t"]
     timeline = row.get("timeline", []) if row else []
+    buckets = collections.defaultdict(list)  # step index -> its events
+    for e in events:
+        buckets[int((e["t"] - start) // step)].append(e)
     lines.append(f"\n{'t s':>6} {'loader GB':>9} {'req MB':>7} {'pushed MB':>9} {'read MB':>8} "
                  f"{'files pushed':>12} {'files asked':>11}")
-    end = max(e["t"] for e in events) - start
-    for i in range(int(min(0, events[0]["t"] - start) // step), int(end // step) + 1):
-        lo, hi = start + i * step, start + (i + 1) * step
-        span = [e for e in events if lo <= e["t"] < hi]
+    for i in range(min(0, min(buckets)), max(buckets) + 1):
+        span = buckets.get(i, [])
         mb = lambda kind, key="bytes": sum(e[key] for e in span if e["event"] == kind) / 2**20  # noqa: E731
         landed = max([b for t, b in timeline if t <= (i + 1) * step] or [0]) / GB
         lines.append(f"{i * step:6.1f} {landed:9.2f} {mb('request'):7.0f} {mb('pushed', 'pushed'):9.0f} "
