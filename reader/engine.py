@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import trio
 
@@ -27,7 +28,7 @@ from rankfs.reader.chunks import CHUNK_BYTES, Chunk, Fill
 from rankfs.reader.holdings import DEMAND_SLACK, Holdings
 from rankfs.reader.loading import BackingError, SourceReader
 from rankfs.reader.schedule import FileStream, ViewStream
-from rankfs.reader.trace import Trace
+from rankfs.reader.trace import Trace, timed
 
 log = logging.getLogger("rankfs.reader")
 
@@ -181,16 +182,18 @@ class ReadEngine:
         chunk.backing.own()
         return chunk.buffer[start - chunk.start:end - chunk.start], chunk.backing
 
-    def pushed(self, chunk: Chunk, backing: Backing | None, start: int, end: int):
+    def pushed(self, chunk: Chunk, backing: Backing | None, start: int, end: int,
+               times: tuple[float, float, float]):
         """[start, end) of the chunk, pushed from `backing`, is in the kernel's page cache: keep only
-        the edges. The chunk still counts against the budget until the loader reads its first page."""
+        the edges. The chunk still counts against the budget until the loader reads its first page.
+        `times`: when the push was asked of a thread, began and ended, for the trace."""
         if chunk.fill:
             self.stats.pushed_fill_bytes += end - start
-            self.trace.chunk("pushed", chunk, pushed=end - start)
+            self.trace.chunk("pushed", chunk, times, pushed=end - start)
             return
         if chunk.backing is not backing:
             return  # freed while it was being pushed (and maybe loaded again since)
-        self.trace.chunk("pushed", chunk, pushed=end - start)
+        self.trace.chunk("pushed", chunk, times, pushed=end - start)
         a, b = start - chunk.start, end - chunk.start
         chunk.head, chunk.tail = bytes(chunk.buffer[:a]), bytes(chunk.buffer[b:])
         chunk.buffer = None
@@ -275,9 +278,10 @@ class ReadEngine:
         chunk is then offered for pushing."""
         drops = self.drops
         buffer = None if self._reader.maps_chunk(chunk) else self.held.pool.take(self.held.cost(chunk))
+        asked = time.monotonic()
         try:
-            buffer, chunk.buffer = await trio.to_thread.run_sync(self._read_chunk, chunk, buffer,
-                                                                 limiter=self._limiter)
+            (buffer, chunk.buffer), began, ended = await trio.to_thread.run_sync(
+                timed, self._read_chunk, chunk, buffer, limiter=self._limiter)
             chunk.backing = self.held.backing(chunk, buffer)
             chunk.error = None
             if chunk.on_demand:
@@ -286,7 +290,7 @@ class ReadEngine:
                 self.stats.read_bytes[chunk.source] += chunk.length
                 self.stats.reread_bytes += chunk.length if chunk.reads else 0
             chunk.reads += 1
-            self.trace.chunk("read", chunk, demand=not prefetched)
+            self.trace.chunk("read", chunk, (asked, began, ended), demand=not prefetched)
             self.held.add(chunk)
             if prefetched and self._pushing and drops == self.drops:
                 self._pushable_send.send_nowait(chunk)

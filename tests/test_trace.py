@@ -31,5 +31,9 @@ def test_a_trace_accounts_for_the_chunks_the_daemon_read_and_pushed(large_checkp
     requested = {e["path"] for e in events if e["event"] == "request" and e["path"]}
     assert requested and requested <= set(paths.values())
     assert {paths[e["inode"]] for e in events if e["event"] == "first"} <= requested
+    worker_calls = [e for e in events if e["event"] in ("read", "pushed")]
+    assert all(e["asked"] <= e["began"] <= e["ended"] <= e["t"] for e in worker_calls)
     summary = dev_trace.summarize(events)
     assert f"chunks read: {count['read'] - status['demand_loads']} ahead" in summary
+    assert f"reads ahead: {count['read'] - status['demand_loads']}, " in summary
+    assert f"pushes: {count['pushed']}, " in summary

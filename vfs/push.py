@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 
 import pyfuse3
 import trio
 
 from rankfs.reader.engine import ReadEngine
+from rankfs.reader.trace import timed
 
 log = logging.getLogger("rankfs.push")
 
@@ -40,18 +42,19 @@ async def _push_offered(engine: ReadEngine, offers: trio.MemoryReceiveChannel):
             continue
         start, end = span
         data, backing = engine.push_memory(chunk, start, end)
-        drops = engine.drops
+        drops, asked = engine.drops, time.monotonic()
         try:
             # The thread may be left behind on cancellation: a push blocked on a page lock ends when
             # the unmount aborts the reads holding it.
-            stored = await trio.to_thread.run_sync(_store, chunk.file_id, start, data, abandon_on_cancel=True)
+            stored, began, ended = await trio.to_thread.run_sync(timed, _store, chunk.file_id, start, data,
+                                                                 abandon_on_cancel=True)
         finally:
             if backing is not None:
                 backing.done()
         if drops != engine.drops:  # `rankfs drop` ran meanwhile: what this push stored must go too
             await trio.to_thread.run_sync(pyfuse3.invalidate_inode, chunk.file_id, False)
         elif stored:
-            engine.pushed(chunk, backing, start, end)
+            engine.pushed(chunk, backing, start, end, (asked, began, ended))
 
 
 def _store(inode: int, offset: int, data: memoryview) -> bool:

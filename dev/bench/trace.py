@@ -23,6 +23,18 @@ def _quantiles(values: list[float]) -> str:
     return f"{q(0.5):.3f} (p10 {q(0.1):.3f}, p90 {q(0.9):.3f}, p99 {q(0.99):.3f})"
 
 
+def _worker_calls(name: str, events: list[dict]) -> str:
+    """Where a kind of worker call spent its time (ms): waiting for a thread, in the thread, and
+    waiting for the event loop to take its result; and how many were in flight on average."""
+    if not events:
+        return f"{name}: none"
+    span = max(e["t"] for e in events) - min(e["asked"] for e in events)
+    in_flight = sum(e["t"] - e["asked"] for e in events) / span if span > 0 else 0.0
+    ms = lambda a, b: _quantiles([(e[b] - e[a]) * 1000 for e in events])  # noqa: E731
+    return (f"{name}: {len(events)}, {in_flight:.1f} in flight; waited for a thread {ms('asked', 'began')} ms, "
+            f"ran {ms('began', 'ended')} ms, waited for the loop {ms('ended', 't')} ms")
+
+
 def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) -> str:
     requests = [e for e in events if e["event"] == "request" and e["path"]]
     pushes = [e for e in events if e["event"] == "pushed"]
@@ -30,6 +42,8 @@ def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) ->
     pushed = {chunk(e): e["t"] for e in pushes if not e["fill"]}
     first = {chunk(e): e["t"] for e in events if e["event"] == "first"}
     reads = [e for e in events if e["event"] == "read"]
+    read_at = {chunk(e): e["t"] for e in reads if not e["demand"]}
+    push_waits = [e["asked"] - read_at[chunk(e)] for e in pushes if chunk(e) in read_at]
     sizes = collections.Counter("1 MiB" if e["bytes"] >= 1 << 20 else "8 KiB or less" if e["bytes"] <= 8192
                                 else "between" for e in requests)
     ahead = [first[c] - t for c, t in pushed.items() if c in first and t < first[c]]
@@ -40,6 +54,10 @@ def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) ->
         f"pushed {sum(e['pushed'] for e in pushes if not e['fill']) / GB:.2f} GB "
         f"(+ {sum(e['pushed'] for e in pushes if e['fill']) / GB:.2f} GB of fill)",
         f"chunks a loader asked for: {len(first)}, {len(ahead)} of them pushed before, by {_quantiles(ahead)} s",
+        _worker_calls("reads ahead", [e for e in reads if not e["demand"]]),
+        _worker_calls("reads for a waiting request", [e for e in reads if e["demand"]]),
+        _worker_calls("pushes", pushes),
+        f"read ahead, then waited for a push thread: {_quantiles(push_waits)} s",
     ]
     events = [e for e in events if e["event"] != "file"]  # laid out at the mount, before any load
     if not events:
