@@ -3,7 +3,8 @@
     python3 -m dev.bench.paths KIND < arguments.json   ->  one JSON line on stdout
 
 KIND: load (a source from dev.bench.sources into the engine-like copies, optionally through the
-hook), raw (parallel preads of exact byte ranges, O_DIRECT or buffered, optionally copied to CUDA).
+hook), raw (parallel preads of exact byte ranges, O_DIRECT or buffered, optionally copied to CUDA),
+push (the same ranges pushed into the page cache of FUSE files: dev.bench.push_limit).
 """
 
 from __future__ import annotations
@@ -138,7 +139,12 @@ def run_raw(args: dict) -> dict:
     return _timed(work, progress)
 
 
-RUNNERS = {"load": run_load, "raw": run_raw}
+def run_push(args: dict) -> dict:
+    from dev.bench import push_limit  # FUSE only for this path
+    return push_limit.run_push(args, _timed)
+
+
+RUNNERS = {"load": run_load, "raw": run_raw, "push": run_push}
 
 if __name__ == "__main__":
     kind, payload = sys.argv[1], json.load(sys.stdin)

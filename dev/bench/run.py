@@ -11,7 +11,8 @@ first (the stand-in for storage faster than the disk); `tmpfs` copies the checkp
 Every load runs the same engine-like loader (SGLang's buffered iterator, FusedMoE narrowing, 24 copy
 threads into preallocated parameters on --device), fed by the path's source:
 
-    limit            16 threads of exact preads of the rank's bytes (+ H2D on CUDA): the storage's best
+    limit            16 threads of exact preads of the rank's bytes (+ H2D on CUDA): the storage's best;
+                     and the same bytes pushed into FUSE files' page cache: the view's ceiling
     engine ceiling   tensors staged in page-locked memory before the clock: the engine's own cost
     stock            safe_open (mmap) of the original shards
     rankfs           the same loader on the rank's view, through FUSE
@@ -194,6 +195,12 @@ class Bench:
         numbered = f" {run + 1}" if self.repeat > 1 else ""
         return re.sub(r"[^a-z0-9]+", "-", f"{self.case_name} {mode} {label}{numbered}".lower()).strip("-")
 
+    def push_mountpoint(self) -> Path:
+        """Where the push limit mounts its files for its run."""
+        path = self.workdir / "mnt-push"
+        path.mkdir(exist_ok=True)
+        return path
+
     def mounted(self, spec: RankSpec, trace: Path | None = None):
         flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size, *self.mount_args,
                  *(("--trace", trace) if trace else ()))
@@ -235,6 +242,8 @@ class Bench:
             measure("limit: buffered preads", "raw", {"ranges": ranges, "direct": False})
             if cuda:
                 measure("limit: preads + H2D", "raw", {"ranges": ranges, "direct": False, "h2d": True})
+            measure("limit: pushes into FUSE page cache", "push",
+                    {"ranges": ranges, "mountpoint": str(self.push_mountpoint())})
         if mode != "cold" and "ceiling" in paths:
             measure("engine ceiling (staged, pinned)", "load",
                     self.load_args(self.checkpoint, spec, "staged", names=names))

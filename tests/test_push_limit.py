@@ -1,0 +1,42 @@
+"""The benchmark's push limit: the rank's bytes pushed into the page cache of FUSE files, every
+file in turn, and the files unmounted after the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from dev.bench.push_limit import PIECE_BYTES, push_pieces
+from dev.bench.run import rank_ranges
+from rankfs.plan.checkpoint import Checkpoint
+from rankfs.plan.layout import plan_rank
+from rankfs.plan.spec import RankSpec
+
+
+def testpush_pieces_take_every_file_in_turn_and_cover_each_range_once():
+    ranges = [("a", 0, 2 * PIECE_BYTES + 5), ("a", 10 * PIECE_BYTES, 7), ("b", 3, PIECE_BYTES)]
+    sizes, pieces = push_pieces(ranges)
+    assert sizes == [2 * PIECE_BYTES + 12, PIECE_BYTES]
+    assert [(p[0], p[1]) for p in pieces[:3]] == [(0, 0), (1, 0), (0, PIECE_BYTES)]
+    assert sorted((p[2], p[3], p[4]) for p in pieces) == [
+        ("a", 0, PIECE_BYTES), ("a", PIECE_BYTES, PIECE_BYTES), ("a", 2 * PIECE_BYTES, 5),
+        ("a", 10 * PIECE_BYTES, 7), ("b", 3, PIECE_BYTES)]
+    assert [p[1] for p in pieces if p[0] == 0] == [0, PIECE_BYTES, 2 * PIECE_BYTES, 2 * PIECE_BYTES + 5]
+
+
+@pytest.mark.mount
+def test_the_push_limit_pushes_the_ranks_bytes_and_unmounts(large_checkpoint, tmp_path):
+    ranges = rank_ranges(plan_rank(Checkpoint.open(large_checkpoint), RankSpec(4, 1, 1)))
+    mountpoint = tmp_path / "push"
+    mountpoint.mkdir()
+    run = subprocess.run([sys.executable, "-m", "dev.bench.paths", "push"], cwd=ROOT, capture_output=True, text=True,
+                         input=json.dumps({"ranges": ranges, "mountpoint": str(mountpoint)}), timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["bytes"] == sum(length for _, _, length in ranges) > 0 and result["seconds"] > 0
+    assert not os.path.ismount(mountpoint)
