@@ -1,9 +1,9 @@
 """The view's ceiling on this host: how fast the kernel takes pushes (`notify_store`) into the page
 cache of FUSE files when pushing is all a daemon does. The rank's bytes, as `rank_ranges` lists
 them, are pushed from populated maps of their sources, as rankfs' daemon pushes them: one virtual
-file per source holding the rank's ranges of it, 16 threads (twice the cores where that is fewer), 8
-MiB pieces taken from every file in turn (on the GPU host one file's page cache stopped near 6-7
-GB/s, several took 20+ GB/s). Cold, the maps read the disk first. Run by `dev.bench.paths push`,
+file per source holding the rank's ranges of it, 16 threads (twice the cores where that is fewer),
+8 MiB pieces taken from every file in turn (on the GPU host one file's page cache stopped near
+6-7 GB/s, several took 20+ GB/s). Cold, the maps read the disk first. Run by `dev.bench.paths push`,
 which mounts the files at `mountpoint` for the run.
 """
 
