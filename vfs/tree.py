@@ -90,9 +90,9 @@ class LazyView:
         chunks += [c for e in extents if e.kind == "fill" for c in split_extent(e)]
         for chunk in chunks:
             chunk.file_id = inode
-        self.engine.trace.file(inode, f"{self.directory}/{vfile.name}")
-        self._built.append((Content(vfile.size, extents, vfile.header, runs, path=f"{self.directory}/{vfile.name}"),
-                            chunks))
+        path = f"{self.directory}/{vfile.name}"
+        self.engine.trace.file(inode, path)
+        self._built.append((Content(vfile.size, extents, vfile.header, runs, path=path), chunks))
         return True
 
     def _register(self):

@@ -1,6 +1,6 @@
 """The view's ceiling on this host: how fast the kernel takes pushes (`notify_store`) into the page
 cache of FUSE files when pushing is all a daemon does. The rank's bytes, as `rank_ranges` lists
-them, are pushed from populated maps of their sources, as rankfs' daemon pushes them: one virtual
+them, are pushed from the daemon's own maps of their sources (`reader.mapped`): one virtual
 file per source holding the rank's ranges of it, 16 threads (twice the cores where that is fewer),
 8 MiB pieces taken from every file in turn (on the GPU host one file's page cache stopped near
 6-7 GB/s, several took 20+ GB/s). Cold, the maps read the disk first. Run by `dev.bench.paths push`,
@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import errno
 import itertools
-import mmap
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pyfuse3
 import trio
 
 from dev.bench.engine_like import Progress
-from rankfs.reader.io import MADV_POPULATE_READ, covering_pages, madvise, willneed_pieces, willneed_reach
+from rankfs.reader.io import open_for_exact_reads
+from rankfs.reader.mapped import MappedSources
 
 PIECE_BYTES = 8 << 20
 THREADS = min(16, 2 * (os.cpu_count() or 1))
@@ -82,28 +81,19 @@ def push_pieces(ranges: list[tuple[str, int, int]]) -> tuple[list[int], list[tup
 
 def _push_all(mountpoint: str, ranges, timed) -> dict:
     """Runs in a thread beside the FUSE loop: opens the files (the kernel must know them before a
-    push), then pushes every piece from THREADS threads, timed by `timed` (the benchmark's clock,
-    dev.bench.paths). The maps stay until the process ends."""
+    push), then pushes every piece from THREADS threads out of the daemon's own maps of the sources
+    (reader.mapped), timed by `timed` (the benchmark's clock, dev.bench.paths)."""
     sizes, pieces = push_pieces(ranges)
     handles = [os.open(os.path.join(mountpoint, str(i)), os.O_RDONLY) for i in range(len(sizes))]
-    sources = {}
-    for path in dict.fromkeys(p[2] for p in pieces):
-        fd = os.open(path, os.O_RDONLY)
-        source = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        source.madvise(mmap.MADV_RANDOM)  # the populate faults in what WILLNEED read, nothing around
-        sources[path] = (fd, np.frombuffer(source, np.uint8), willneed_reach(path))
+    paths = list(dict.fromkeys(path for path, _, _ in ranges))  # file i holds source i's ranges
+    fds = [open_for_exact_reads(path) for path in paths]
+    maps = MappedSources(paths, fds.__getitem__)
     progress = Progress()
 
     def push(piece):
-        index, at, path, offset, length = piece
-        fd, source, reach = sources[path]
-        for start, size in willneed_pieces(offset, length, reach):
-            os.posix_fadvise(fd, start, size, os.POSIX_FADV_WILLNEED)
-        begin, end = covering_pages(offset, offset + length)
-        end = min(end, len(source))
-        madvise(source.ctypes.data + begin, end - begin, MADV_POPULATE_READ)
-        pyfuse3.notify_store(PushedFiles.inode(index), at, source[offset:offset + length])
-        madvise(source.ctypes.data + begin, end - begin, mmap.MADV_DONTNEED)
+        index, at, _, offset, length = piece
+        pyfuse3.notify_store(PushedFiles.inode(index), at, maps.view(index, offset, offset + length))
+        maps.unmap(index, offset, offset + length)
         progress.add(length)
 
     def work():
@@ -112,7 +102,7 @@ def _push_all(mountpoint: str, ranges, timed) -> dict:
     try:
         return timed(work, progress)
     finally:
-        for fd in handles:
+        for fd in handles + fds:
             os.close(fd)
 
 
