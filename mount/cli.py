@@ -104,7 +104,9 @@ def parser():
     g.add_argument("--inflight-gb", type=_gib, metavar="GIB",
                    help="memory the daemon may hold for read-ahead, in GiB (default: 4, or an eighth "
                         "of the available memory when that is under 32 GiB, at least 0.25)")
-    g.add_argument("--workers", type=_count, default=8, metavar="N", help="source reads in flight at once (default: 8)")
+    g.add_argument("--workers", type=_count, default=8, metavar="N",
+                   help="threads reading the sources ahead, N x 8 MiB in flight at most, and as many "
+                        "for reads a loader waits on (default: 8)")
     g.add_argument("--readahead-mb", type=_count, default=16, metavar="MIB",
                    help="the mount's kernel readahead, in MiB (default: 16)")
     _switch(g, "--direct-io",

@@ -23,7 +23,7 @@ class MountConfig:
     specs: tuple[RankSpec, ...]
     budget_bytes: int  # memory the daemon may hold for read-ahead
     profile: str | None = None
-    workers: int = 8  # parallel backing reads
+    workers: int = 8  # threads reading ahead (their bytes: 8 MiB each), and as many for reads waited on
     direct_io: bool = False
     push: bool = True
     push_threads: int = 8  # notify_store calls at once: one file's store rate peaks near 4, loaders read nine

@@ -1,5 +1,5 @@
-"""What the read engine holds and has done: the byte budget of loaded chunks (--inflight-gb), and its
-counters (the status shows both)."""
+"""What the read engine holds and has done: its byte budgets (loaded chunks, --inflight-gb; reads in
+flight), and its counters (the status shows the first and the last)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import trio
 
 
 class Budget:
-    """Bytes of loaded chunks the daemon holds (--inflight-gb): reserved before a chunk is read,
-    released once it is freed."""
+    """Bytes against a limit, reserved before they are taken and released once let go: the loaded
+    chunks the daemon holds (--inflight-gb), and the read-ahead's reads in flight."""
 
     def __init__(self, limit: int):
         self.limit = limit

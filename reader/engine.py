@@ -22,7 +22,7 @@ import time
 import trio
 
 from rankfs.contract import Source
-from rankfs.reader.budget import Stats
+from rankfs.reader.budget import Budget, Stats
 from rankfs.reader.buffers import Backing
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk, Fill
 from rankfs.reader.holdings import DEMAND_SLACK, Holdings
@@ -53,10 +53,13 @@ class ReadEngine:
         self.trace = trace or Trace()
         self.views: dict[str, ViewStream] = {}
         self._reader = SourceReader(sources, direct_io)
-        self._limiter = trio.CapacityLimiter(workers)
-        # Read-ahead takes at most the workers' number of reads at once, so that a read the loader
-        # waits on queues behind one of them at most, not behind the whole budget's worth.
-        self._prefetching = trio.Semaphore(workers)
+        # Read-ahead has its threads, and reads a request waits on theirs: never queued behind it.
+        self._ahead_threads = trio.CapacityLimiter(workers)
+        self._waited_threads = trio.CapacityLimiter(workers)
+        # Read-ahead keeps the workers' number of whole chunks' bytes in flight at most: that many
+        # reads of whole chunks, more of smaller ones (a sliced expert's rows), which a count of
+        # reads held to a few MB in flight, most of each read's time spent in hops.
+        self._ahead_bytes = Budget(workers * CHUNK_BYTES)
         self.held = Holdings(budget_bytes, self._reader, direct_io, self.stats)
         self.budget = self.held.budget
         self._nursery: trio.Nursery | None = None
@@ -132,7 +135,7 @@ class ReadEngine:
         map cannot serve them (the chunk read then says why)."""
         begin = chunk.source_offset + (lo - chunk.start)
         mapped = await trio.to_thread.run_sync(self._reader.mapped_range, chunk.source, begin, begin + hi - lo,
-                                               limiter=self._limiter)
+                                               limiter=self._waited_threads)
         if mapped is None:
             return None
         self.stats.remnant_bytes += hi - lo
@@ -250,11 +253,10 @@ class ReadEngine:
             while view.passes == this_pass:
                 await self.budget.wait_for_room(CHUNK_BYTES)
                 # Chosen once a read can start: files' consumption may have changed meanwhile.
-                await self._prefetching.acquire()
+                await self._ahead_bytes.wait_for_room(CHUNK_BYTES)
                 chunk = view.next_chunk() if view.passes == this_pass else None
                 if chunk is None or chunk.fill or chunk.prefetched == view.passes or chunk.requested \
                         or chunk.buffer is not None or chunk.loading is not None:
-                    self._prefetching.release()
                     if chunk is None:
                         return
                     if chunk.fill and chunk.prefetched != view.passes and self._pushing:
@@ -265,6 +267,7 @@ class ReadEngine:
                 self.trace.chunk("queued", chunk)
                 self.stats.prefetch_loads += 1
                 self.budget.reserve(self.held.cost(chunk))
+                self._ahead_bytes.reserve(chunk.length)
                 chunk.loading = trio.Event()  # before the task starts: a demand read must wait for it
                 self._nursery.start_soon(self._load, chunk, True)
         finally:
@@ -281,7 +284,8 @@ class ReadEngine:
         asked = time.monotonic()
         try:
             (buffer, chunk.buffer), began, ended = await trio.to_thread.run_sync(
-                timed, self._read_chunk, chunk, buffer, limiter=self._limiter)
+                timed, self._read_chunk, chunk, buffer,
+                limiter=self._ahead_threads if prefetched else self._waited_threads)
             chunk.backing = self.held.backing(chunk, buffer)
             chunk.error = None
             if chunk.on_demand:
@@ -306,7 +310,7 @@ class ReadEngine:
             event, chunk.loading = chunk.loading, None
             event.set()
             if prefetched:
-                self._prefetching.release()
+                self._ahead_bytes.release(chunk.length)
 
     def _read_chunk(self, chunk: Chunk, buffer):
         """Runs in a worker thread: the chunk's range of its source's map, resident; or a read into
