@@ -10,6 +10,7 @@ import pytest
 from conftest import mapped_digests, mounted, settled_status
 from dev.bench import trace as dev_trace
 from dev.memstate import MIB
+from rankfs.reader.chunks import CHUNK_BYTES
 
 pytestmark = pytest.mark.mount
 
@@ -37,3 +38,19 @@ def test_a_trace_accounts_for_the_chunks_the_daemon_read_and_pushed(large_checkp
     assert f"chunks read: {count['read'] - status['demand_loads']} ahead" in summary
     assert f"reads ahead: {count['read'] - status['demand_loads']}, " in summary
     assert f"pushes: {count['pushed']}, " in summary
+
+
+def test_reads_ahead_are_bounded_by_their_bytes_not_their_count(large_checkpoint, mount_dir, tmp_path):
+    # A sliced view's chunks are rows of experts, most smaller than 8 MiB: more of them go at once
+    # than the workers' number, and never more than the workers' number of whole chunks' bytes.
+    trace = tmp_path / "trace.jsonl"
+    flags = ("--tp-size", 4, "--tp-rank", 1, "--workers", 2, "--trace", trace)
+    with mounted(large_checkpoint, mount_dir, *flags):
+        mapped_digests(mount_dir / "target")
+    events = dev_trace.read_events(trace)
+    queued = {(e["inode"], e["offset"]): e["t"] for e in events if e["event"] == "queued"}
+    spans = [(queued[(e["inode"], e["offset"])], e["t"], e["bytes"]) for e in events
+             if e["event"] == "read" and not e["demand"]]
+    in_flight = [[(s, t, b) for s, t, b in spans if s <= at < t] for at, _, _ in spans]
+    assert max(sum(b for *_, b in reads) for reads in in_flight) <= 2 * CHUNK_BYTES
+    assert max(len(reads) for reads in in_flight) > 2
