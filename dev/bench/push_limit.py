@@ -79,13 +79,12 @@ def push_pieces(ranges: list[tuple[str, int, int]]) -> tuple[list[int], list[tup
     return sizes, turns
 
 
-def _push_all(mountpoint: str, ranges, timed) -> dict:
+def _push_all(mountpoint: str, sizes: list[int], pieces: list[tuple], timed) -> dict:
     """Runs in a thread beside the FUSE loop: opens the files (the kernel must know them before a
     push), then pushes every piece from THREADS threads out of the daemon's own maps of the sources
     (reader.mapped), timed by `timed` (the benchmark's clock, dev.bench.paths)."""
-    sizes, pieces = push_pieces(ranges)
     handles = [os.open(os.path.join(mountpoint, str(i)), os.O_RDONLY) for i in range(len(sizes))]
-    paths = list(dict.fromkeys(path for path, _, _ in ranges))  # file i holds source i's ranges
+    paths = [path for _, path in sorted({index: path for index, _, path, _, _ in pieces}.items())]
     fds = [open_for_exact_reads(path) for path in paths]
     maps = MappedSources(paths, fds.__getitem__)
     progress = Progress()
@@ -108,7 +107,7 @@ def _push_all(mountpoint: str, ranges, timed) -> dict:
 
 def run_push(args: dict, timed) -> dict:
     """Mount the files at args["mountpoint"], push args["ranges"] into them, unmount."""
-    sizes, _ = push_pieces(args["ranges"])
+    sizes, pieces = push_pieces(args["ranges"])
     pyfuse3.init(PushedFiles(sizes), args["mountpoint"], {"fsname=rankfs-push-limit", "ro"})
     result = {}
 
@@ -116,7 +115,7 @@ def run_push(args: dict, timed) -> dict:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pyfuse3.main)
             try:
-                result.update(await trio.to_thread.run_sync(_push_all, args["mountpoint"], args["ranges"], timed))
+                result.update(await trio.to_thread.run_sync(_push_all, args["mountpoint"], sizes, pieces, timed))
             finally:
                 pyfuse3.terminate()
     try:
