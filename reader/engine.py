@@ -79,7 +79,17 @@ class ReadEngine:
         file.handles += 1
 
     def closed(self, file: FileStream):
+        """A handle of the file closed. Once a loader that consumed it lets go of it, what was read
+        ahead in it is behind that loader, whatever it skipped: a loader that narrows whole experts
+        never reads half of each, whose chunks held the budget until a drop (the frontier stops at
+        the first of them)."""
         file.handles -= 1
+        if file.handles == 0 and file.consuming:
+            for chunk in [c for c in self.held.loaded.values() if c.file is file]:
+                if id(chunk) in self.held.pushed:
+                    self.held.let_pass(chunk)
+                else:
+                    self.held.free(chunk)
         file.reading = file.reading and file.handles > 0
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED):

@@ -1,6 +1,7 @@
 """The daemon's holdings: a pushed chunk the loader has passed gives its budget back but keeps its
 edges (its first page, which was never pushed), within a cap, the oldest dropped first; freeing a
-chunk drops them."""
+chunk drops them. What was read ahead in a file gives its budget back once the loader that consumed
+the file closes it, read to its end or not."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from rankfs.plan.extents import Extent
 from rankfs.reader import holdings
 from rankfs.reader.budget import Stats
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk
+from rankfs.reader.engine import ReadEngine
 from rankfs.reader.holdings import Holdings
 from rankfs.reader.io import PAGE
+from rankfs.reader.schedule import CONSUMING_BYTES, FileStream
 
 
-def pushed_chunk(held: Holdings, index: int) -> Chunk:
+def pushed_chunk(held: Holdings, index: int, chunk: Chunk | None = None) -> Chunk:
     """A chunk read ahead and pushed: it counts against the budget and keeps its first page."""
-    chunk = Chunk(Extent(0, 64 * CHUNK_BYTES, "data", source=0), index * CHUNK_BYTES, CHUNK_BYTES)
+    chunk = chunk or Chunk(Extent(0, 64 * CHUNK_BYTES, "data", source=0), index * CHUNK_BYTES, CHUNK_BYTES)
     held.budget.reserve(held.cost(chunk))
     held.add(chunk)
     held.pushed[id(chunk)] = chunk
@@ -34,3 +37,35 @@ def test_passed_chunks_keep_their_first_page_within_the_cap(monkeypatch):
     assert chunks[1].head == b"" and list(held.passed.values()) == [chunks[2]]
     held.free_all()
     assert chunks[2].head == b"" and not held.passed
+
+
+def engine_with_a_file() -> tuple[ReadEngine, FileStream]:
+    extent = Extent(0, 8 * CHUNK_BYTES, "data", source=0)
+    engine = ReadEngine((), 64 * CHUNK_BYTES)
+    [file] = engine.add_view("target", [[Chunk(extent, i * CHUNK_BYTES, CHUNK_BYTES) for i in range(8)]])
+    return engine, file
+
+
+def test_a_file_closed_by_the_loader_that_consumed_it_gives_back_what_was_read_ahead_in_it():
+    # An engine that narrows whole experts never reads half of w1 and w3: those chunks, pushed, are
+    # never read to their end, and the frontier stops at the first of them. On the 2-core VM (8 GB,
+    # EP2 rank 0, experts whole) they held 808-904 MiB of a 2.7-2.9 GiB budget after the load.
+    engine, file = engine_with_a_file()
+    for chunk in file.chunks[2:6]:
+        pushed_chunk(engine.held, chunk.stream_pos, chunk)
+    engine.opened(file)
+    engine.opened(file)
+    file.reading, file.served = True, CONSUMING_BYTES
+    engine.closed(file)
+    assert engine.budget.used == 4 * CHUNK_BYTES  # another handle still reads it
+    engine.closed(file)
+    assert engine.budget.used == 0 and not engine.held.loaded and not engine.held.pushed
+
+
+def test_a_file_only_looked_at_keeps_what_was_read_ahead_in_it():
+    engine, file = engine_with_a_file()
+    pushed_chunk(engine.held, 3, file.chunks[3])
+    engine.opened(file)
+    file.reading, file.served = True, PAGE  # a header read: the loader has not begun on it
+    engine.closed(file)
+    assert engine.budget.used == CHUNK_BYTES
