@@ -86,10 +86,7 @@ class ReadEngine:
         file.handles -= 1
         if file.handles == 0 and file.consuming:
             for chunk in [c for c in self.held.loaded.values() if c.file is file]:
-                if id(chunk) in self.held.pushed:
-                    self.held.let_pass(chunk)
-                else:
-                    self.held.free(chunk)
+                self.held.let_pass(chunk)
         file.reading = file.reading and file.handles > 0
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED):

@@ -56,10 +56,12 @@ class Holdings:
             self.free(next(iter(self.loaded.values())))
 
     def let_pass(self, chunk: Chunk):
-        """A pushed chunk the loader is well past stops counting against the budget; its edges
-        stay, within PASSED_EDGE_BYTES."""
-        if self.loaded.pop(id(chunk), None) is None:
+        """A chunk the loader is well past stops counting against the budget: a pushed one keeps its
+        edges, within PASSED_EDGE_BYTES; one still in memory is freed."""
+        if id(chunk) not in self.pushed:
+            self.free(chunk)
             return
+        self.loaded.pop(id(chunk), None)
         self.pushed.pop(id(chunk), None)
         self.budget.release(self.cost(chunk))
         self.passed[id(chunk)] = chunk
