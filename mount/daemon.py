@@ -115,6 +115,7 @@ class Daemon:
             "prefetch_loads": stats.prefetch_loads,
             "pushed_bytes": stats.pushed_bytes,
             "pushed_fill_bytes": stats.pushed_fill_bytes,
+            "listing_pages": stats.listing_pages,
             "remnant_bytes": stats.remnant_bytes,
             "reread_bytes": stats.reread_bytes,
             "uncache_pending_bytes": stats.uncache_pending_bytes,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import FILL_BYTE
-from rankfs.reader.io import PAGE, covering_pages, inner_pages
+from rankfs.reader.io import PAGE, align_down, align_up, covering_pages, inner_pages
 
 if TYPE_CHECKING:
     import trio
@@ -26,7 +26,7 @@ class Chunk:
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "served", "requested",
-                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads")
+                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed", "listed_in_push")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # offset in the virtual file
@@ -52,6 +52,8 @@ class Chunk:
         self.file_id = 0  # the virtual file it belongs to (the serving layer's inode)
         self.head = b""  # once pushed: the bytes before the pushed pages, and after them
         self.tail = b""
+        self.listed = 0  # bytes handed with a listing's pages (`served` counts them)
+        self.listed_in_push = 0  # of them, within its push range (a push of it then hands the rest)
 
     @property
     def end(self) -> int:
@@ -86,6 +88,14 @@ class Chunk:
         """[begin, end) in its source of one read of it: O_DIRECT widens it to whole pages."""
         begin, end = self.source_offset, self.source_offset + self.length
         return covering_pages(begin, end) if direct_io else (begin, end)
+
+
+def listing_pages(header_bytes: int, tensor_starts, chunks: list[Chunk]) -> list[int]:
+    """The pages a safetensors reader reads as it lists a file, before it copies anything: the
+    header's, and the one holding each tensor's first byte (safetensors reads it as it makes the
+    tensor); less each chunk's signal page, which must stay a request (`push_range`). Sorted."""
+    pages = set(range(0, align_up(header_bytes), PAGE)) | {align_down(start) for start in tensor_starts}
+    return sorted(pages - {align_up(c.start) for c in chunks if not c.fill})
 
 
 class Fill:

@@ -22,6 +22,7 @@ import time
 import trio
 
 from rankfs.contract import Source
+from rankfs.plan.extents import Extent
 from rankfs.reader.budget import Budget, Stats
 from rankfs.reader.buffers import Backing
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk, Fill
@@ -32,8 +33,9 @@ from rankfs.reader.trace import Trace, timed
 
 log = logging.getLogger("rankfs.reader")
 
-# Chunks this close after the loader's frontier are about to be read: they are answered from
-# memory, not pushed (a push would wait on the page locks of those reads).
+# Chunks this close after the loader's frontier in a file it reads are about to be read: they are
+# answered from memory, not pushed (a push would wait on the page locks of those reads). In a file
+# it has not begun, they are pushed: otherwise the first of every file came as requests.
 PUSH_GAP_CHUNKS = 4
 # A pushed chunk whose first page was never read (evicted, or skipped) stops counting against the
 # budget once the loader is this many chunks past it.
@@ -75,8 +77,14 @@ class ReadEngine:
         self.views[name] = ViewStream.of(name, files_chunks)
         return self.views[name].files
 
-    def opened(self, file: FileStream):
+    def opened(self, file: FileStream, direct: bool = False) -> bool:
+        """A handle of the file opened (`direct`: with O_DIRECT, bypassing the page cache, as the
+        hook reads headers). Whether the pages a listing of it reads are to be pushed now: its
+        first buffered open, with pushes on, in a view no engine hook loads."""
         file.handles += 1
+        push = self._pushing and not direct and not file.listed and not file.view.hooked
+        file.listed = file.listed or push
+        return push
 
     def closed(self, file: FileStream):
         """A handle of the file closed. Once a loader that consumed it lets go of it, what was read
@@ -112,7 +120,7 @@ class ReadEngine:
             if edge is not None:
                 return edge, None
         while chunk.buffer is None:
-            if chunk.loading is None and chunk.served and self._reader.maps_chunk(chunk):
+            if chunk.loading is None and chunk.served > chunk.listed and self._reader.maps_chunk(chunk):
                 remnant = await self._read_remnant(chunk, lo, hi)
                 if remnant is not None:
                     return remnant
@@ -129,6 +137,11 @@ class ReadEngine:
             # Another reader may have consumed and freed it meanwhile: then read it again.
         chunk.backing.own()
         return chunk.buffer[lo - chunk.start:hi - chunk.start], chunk.backing
+
+    def read_cached(self, extent: Extent, lo: int, hi: int) -> bytes | None:
+        """Bytes [lo, hi) of a data extent where the source's page cache holds them, else None (a
+        worker thread's call)."""
+        return self._reader.read_cached(extent, lo, hi)
 
     @staticmethod
     def replied(backings: list[Backing]):
@@ -170,6 +183,17 @@ class ReadEngine:
 
     # -- pushing into the kernel's page cache ---------------------------------------------------
 
+    def listed(self, pieces: list[tuple[Chunk, int, int]]):
+        """(chunk, bytes, of them within its push range) pushed with a listing's pages: handed to the
+        kernel; a push of the chunk then hands only the rest of its range."""
+        for chunk, nbytes, in_push_range in pieces:
+            chunk.listed += nbytes
+            chunk.listed_in_push += in_push_range
+            if chunk.listed >= chunk.length and not chunk.reads:  # read whole, here: no chunk read follows
+                self.stats.read_bytes[chunk.source] += chunk.length
+                chunk.reads += 1
+            self._handed(chunk, nbytes)
+
     def enable_push(self):
         """Offer prefetched chunks on `pushable` from now on."""
         self._pushing = True
@@ -177,7 +201,7 @@ class ReadEngine:
     def push_range(self, chunk: Chunk) -> tuple[int, int] | None:
         """What to push of an offered chunk now, or None: it was read meanwhile, the loader is about
         to read it, or too little of it lies on whole pages."""
-        if chunk.stream_pos <= chunk.file.frontier + PUSH_GAP_CHUNKS:
+        if chunk.file.reading and chunk.stream_pos <= chunk.file.frontier + PUSH_GAP_CHUNKS:
             return None
         if not chunk.fill and (chunk.buffer is None or chunk.requested):
             return None
@@ -211,7 +235,7 @@ class ReadEngine:
         chunk.backing = None
         self.held.pushed[id(chunk)] = chunk
         self.stats.pushed_bytes += end - start
-        self._handed(chunk, end - start)
+        self._handed(chunk, end - start - chunk.listed_in_push)
 
     def _release_passed(self, file: FileStream):
         # Pushed chunks far behind the loader whose first page it never asked for (their pages were

@@ -41,6 +41,22 @@ class _Cachestat(ctypes.Structure):
 _cachestat_works = True  # until a kernel says it has no cachestat
 
 
+def page_cache_holds(fd: int, begin: int, end: int) -> bool | None:
+    """Whether the page cache holds every page of [begin, end) of a file (cachestat, the GIL let
+    go); None where the kernel cannot say (older than 6.5, or a file cachestat refuses)."""
+    global _cachestat_works
+    if not _cachestat_works:
+        return None
+    begin, end = covering_pages(begin, end)
+    stat = _Cachestat()
+    # syscall(2) is variadic: every argument a full register's width.
+    if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(_CachestatRange(begin, end - begin)),
+                     ctypes.byref(stat), ctypes.c_long(0)) == 0:
+        return stat.nr_cache == (end - begin) // PAGE
+    _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
+    return None
+
+
 def _os_error(what: str) -> OSError:
     err = ctypes.get_errno()
     return OSError(err, f"{what}: {os.strerror(err)}")
@@ -133,19 +149,11 @@ class OpenFile:
         mincore shares with every page fault, map and page-lock of the loader's threads (on the
         H200 host a mincore per 16 MiB read waited 1.3 ms on average inside a load). mincore
         where the kernel is older than 6.5 or refuses the file."""
-        global _cachestat_works
         if self._map is None or end > self._size or end <= begin:
             return False
         begin, end = covering_pages(begin, end)
-        if _cachestat_works:
-            stat = _Cachestat()
-            # syscall(2) is variadic: every argument a full register's width.
-            if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(self.fd),
-                             ctypes.byref(_CachestatRange(begin, end - begin)), ctypes.byref(stat),
-                             ctypes.c_long(0)) == 0:
-                return stat.nr_cache == (end - begin) // PAGE
-            _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
-        return 0 not in self._residency(begin, end)
+        holds = page_cache_holds(self.fd, begin, end)
+        return holds if holds is not None else 0 not in self._residency(begin, end)
 
     def _residency(self, begin: int, end: int) -> bytes:
         """Per page of [begin, end) (whole pages): 1 if it is in the page cache."""

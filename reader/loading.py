@@ -12,9 +12,10 @@ import threading
 import numpy as np
 
 from rankfs.contract import Source
+from rankfs.plan.extents import Extent
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
-from rankfs.reader.io import open_for_exact_reads, read_exactly
+from rankfs.reader.io import open_for_exact_reads, page_cache_holds, read_exactly
 from rankfs.reader.mapped import MappedSources
 
 
@@ -85,7 +86,37 @@ class SourceReader:
             os.posix_fadvise(self.fd(chunk.source), begin, end - begin, os.POSIX_FADV_DONTNEED)
         data = memoryview(buffer)[skip:skip + chunk.length]
         if chunk.row_bytes:
-            rows = np.frombuffer(data, np.uint8).reshape(-1, chunk.row_bytes)
-            rows[:, :chunk.keep_start] = FILL_BYTE
-            rows[:, chunk.keep_stop:] = FILL_BYTE
+            fill_outside_slice(data, chunk)
         return data
+
+    def read_cached(self, extent: Extent, lo: int, hi: int) -> bytes | None:
+        """Bytes [lo, hi) (file offsets, a few pages) of a data extent as served, where the source's
+        page cache holds them; None where it does not (a cold source is read in chunks, not page by
+        page). Runs in a worker thread."""
+        if self.direct_io:
+            return None
+        if extent.row_bytes:  # whole rows, for the fill over the other ranks' columns
+            first = lo - (lo - extent.offset) % extent.row_bytes
+            last = min(extent.end, hi + (extent.offset - hi) % extent.row_bytes)
+        else:
+            first, last = lo, hi
+        begin = extent.source_offset + (first - extent.offset)
+        fd = self.fd(extent.source)
+        if not page_cache_holds(fd, begin, begin + last - first):
+            return None
+        self.check_unchanged(extent.source)
+        data = bytearray(os.pread(fd, last - first, begin))
+        if len(data) < last - first:
+            raise BackingError(f"{self.sources[extent.source].path}: short read at offset {begin}; "
+                               "the file was truncated")
+        if extent.row_bytes:
+            fill_outside_slice(memoryview(data), extent)
+        return bytes(data[lo - first:hi - first])
+
+
+def fill_outside_slice(rows: memoryview, run):
+    """The fill over the other ranks' columns of whole rows of a masked run (a chunk or an extent:
+    `row_bytes` each, keeping [`keep_start`, `keep_stop`) of each)."""
+    table = np.frombuffer(rows, np.uint8).reshape(-1, run.row_bytes)
+    table[:, :run.keep_start] = FILL_BYTE
+    table[:, run.keep_stop:] = FILL_BYTE

@@ -27,6 +27,7 @@ class FileStream:
     handles: int = 0  # open file handles
     reading: bool = False  # read since it was opened
     served: int = 0  # source bytes read by a loader since then
+    listed: bool = False  # the pages a listing reads were pushed, at its first open (a drop leaves them out)
 
     def lead(self) -> int:
         return self.cursor - self.frontier
@@ -96,4 +97,4 @@ class ViewStream:
         for file in self.files:
             file.cursor, file.frontier, file.reading, file.served = 0, 0, False, 0
             for chunk in file.chunks:
-                chunk.served, chunk.requested = 0, False
+                chunk.served, chunk.requested, chunk.listed, chunk.listed_in_push = 0, False, 0, 0

@@ -11,7 +11,8 @@ from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.spec import RankSpec
-from rankfs.reader.chunks import CHUNK_BYTES, Chunk
+from rankfs.reader.chunks import CHUNK_BYTES, Chunk, listing_pages
+from rankfs.reader.io import PAGE
 from rankfs.reader.engine import ReadEngine
 from rankfs.reader.schedule import CONSUMING_BYTES, ViewStream
 from rankfs.vfs.tree import LazyView
@@ -91,3 +92,11 @@ def test_an_open_during_the_background_layout_finishes_it_and_the_view_is_regist
     last, streams = trio.run(main)
     assert engine.views == {"target": streams} and len(streams.files) == len(view.files) > 1
     assert lazy.content(len(view.files) - 1) is last and last.stream is streams.files[-1]
+
+
+def test_a_listing_reads_the_header_and_each_tensors_first_page_but_no_signal_page():
+    extent = Extent(10_000, 3 * CHUNK_BYTES, "data", source=0)
+    chunks = [Chunk(extent, 10_000 + i * CHUNK_BYTES, CHUNK_BYTES) for i in range(3)]
+    signal = chunks[1].start // PAGE * PAGE + PAGE  # the first whole page of the second chunk
+    tensors = [10_000, 10_000 + 5 * PAGE + 7, signal + 100]
+    assert listing_pages(10_000, tensors, chunks) == [0, PAGE, 2 * PAGE, 7 * PAGE]

@@ -21,6 +21,7 @@ import pyfuse3
 import trio
 
 from rankfs.reader.engine import BackingError, ReadEngine
+from rankfs.vfs.push import push_listing_pages
 from rankfs.vfs.tree import Content, Node, Tree, memory_content
 
 log = logging.getLogger("rankfs.fs")
@@ -129,8 +130,8 @@ class RankFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         # Generated files are snapshot at open and never cached; the rest stay cached across opens.
         content = memory_content(node.render()) if node.render else node.content()
-        if content.stream is not None:
-            self.engine.opened(content.stream)
+        if content.stream is not None and self.engine.opened(content.stream, bool(flags & os.O_DIRECT)):
+            await push_listing_pages(self.engine, inode, content)
         self._handles[fh] = content
         return pyfuse3.FileInfo(fh=fh, direct_io=node.render is not None, keep_cache=node.render is None)
 

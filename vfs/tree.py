@@ -27,7 +27,7 @@ from rankfs import contract
 from rankfs.plan.checkpoint import INDEX_NAME
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import RankLayout, View, index_json, sources_json
-from rankfs.reader.chunks import ChunkRun, overlapping, split_extent
+from rankfs.reader.chunks import ChunkRun, listing_pages, overlapping, split_extent
 from rankfs.reader.engine import ReadEngine
 from rankfs.reader.schedule import FileStream
 
@@ -44,6 +44,7 @@ class Content:
     runs: dict[int, ChunkRun] = field(default_factory=dict)  # data extent offset -> its chunks
     stream: FileStream | None = None  # for virtual shards
     path: str = ""  # in the mount, for messages: "target/model-00001-of-00048.safetensors"
+    listing: list[int] = field(default_factory=list)  # pages a safetensors listing reads (`listing_pages`)
 
     def __post_init__(self):
         self._starts = [e.offset for e in self.extents]
@@ -92,7 +93,8 @@ class LazyView:
             chunk.file_id = inode
         path = f"{self.directory}/{vfile.name}"
         self.engine.trace.file(inode, path)
-        self._built.append((Content(vfile.size, extents, vfile.header, runs, path=path), chunks))
+        listing = listing_pages(len(vfile.header), [t.offset for t in vfile.tensors], chunks)
+        self._built.append((Content(vfile.size, extents, vfile.header, runs, path=path, listing=listing), chunks))
         return True
 
     def _register(self):
