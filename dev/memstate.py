@@ -54,6 +54,13 @@ def rss_bytes(pid: int | str = "self") -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("Rss:"))
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """The CPU time a process has used, user and system, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def vm_hwm(pid: int | str = "self") -> int:
     """A process's peak resident memory."""
     with open(f"/proc/{pid}/status") as f:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dev.bench import sources
 from dev.bench.engine_like import MoELayout, Progress, allocate, copy_weights, expert_counts, shard_files
-from dev.memstate import vm_hwm
+from dev.memstate import cpu_seconds, vm_hwm
 from rankfs.plan.profiles import BY_NAME
 
 PROFILE = BY_NAME["deepseek-v4"]
@@ -29,7 +29,7 @@ def _timed(work, progress: Progress) -> dict:
     """Runs `work` and times it; whatever it returns is freed after the clock stops (an engine keeps
     its weights: their freeing is no part of a load)."""
     samples, done = [], threading.Event()
-    began = time.monotonic()
+    began, cpu = time.monotonic(), cpu_seconds()
 
     def sample():
         while not done.wait(0.02):
@@ -37,13 +37,13 @@ def _timed(work, progress: Progress) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     kept = work()
-    seconds = time.monotonic() - began
+    seconds, cpu = time.monotonic() - began, cpu_seconds() - cpu
     done.set()
     sampler.join()
     samples.append((round(seconds, 3), progress.bytes))
     del kept
     return {"seconds": seconds, "started": began, "bytes": progress.bytes, "timeline": samples, "peak_rss": vm_hwm(),
-            "waited": progress.waited, "copying": progress.copying}
+            "cpu_seconds": cpu, "waited": progress.waited, "copying": progress.copying}
 
 
 def _weights(args: dict):

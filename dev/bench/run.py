@@ -42,7 +42,7 @@ from pathlib import Path
 from dev.bench import profile
 from dev.bench import trace as dev_trace
 from dev.fixtures import deepseek_v4
-from dev.memstate import vm_hwm
+from dev.memstate import cpu_seconds, vm_hwm
 from dev.session import ROOT, mounted
 from rankfs import contract
 from rankfs.loader.memory import meminfo
@@ -163,7 +163,8 @@ class Bench:
         record = None
         if self.profiles is not None and kind == "load":
             record = self.profiles / f"{self.slug(label, mode, run)}.txt"
-        before = meminfo()
+        daemon = contract.read_status(str(mountpoint))["pid"] if mountpoint is not None else None
+        before, daemon_cpu = meminfo(), cpu_seconds(daemon) if daemon else 0.0
         result = run_path(kind, args, record)
         after = meminfo()
         if record is not None and record.exists():
@@ -171,7 +172,8 @@ class Bench:
         result.update(case=self.case_name, path=label, mode=mode, cached_after=after["Cached"] - before["Cached"])
         if mountpoint is not None:
             status = contract.read_status(str(mountpoint))
-            result["daemon_peak_rss"] = vm_hwm(status["pid"])
+            result["daemon_peak_rss"] = vm_hwm(daemon)
+            result["daemon_cpu_seconds"] = cpu_seconds(daemon) - daemon_cpu
             result["daemon"] = {key: status[key] for key in DAEMON_COUNTERS}
         self.log(f"  {mode:<5} {label:<36} {result.get('seconds', float('nan')):7.2f} s"
                  + (f"  ERROR {result['error']}" if "error" in result else ""))
@@ -274,7 +276,7 @@ class Bench:
 def table(result: dict) -> str:
     lines = [f"\n{result['case']}: {result['spec']}",
              f"{'mode':<5} {'path':<44} {'s':>6} {'GB/s':>6} {'x limit':>7} {'TTFB s':>6} {'steady':>6} "
-             f"{'waited':>6} {'copy thr':>8} "
+             f"{'waited':>6} {'copy thr':>8} {'CPU s':>11} "
              f"{'release s':>9} {'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'hook GPU':>10} "
              f"{'cache left':>10} {'runs s':>11}"]
     mib = lambda n: f"{n / 2**20:6.0f} MiB" if n else f"{'-':>10}"  # noqa: E731
@@ -282,6 +284,8 @@ def table(result: dict) -> str:
                         if len(r.get("runs_seconds", ())) > 1 else "-")
     bound = lambda r: (f"{r['waited']:6.2f} {r['copying'] / r['seconds']:8.1f}" if r.get("copying")  # noqa: E731
                        else f"{'-':>6} {'-':>8}")  # the limits copy nothing
+    cpu = lambda r: (f"{r['cpu_seconds']:.1f}" + (f"+{r['daemon_cpu_seconds']:.1f}"  # noqa: E731
+                                                  if "daemon_cpu_seconds" in r else "")) if "cpu_seconds" in r else "-"
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['mode']:<5} {r['path']:<44} error: {r['error']}")
@@ -289,7 +293,7 @@ def table(result: dict) -> str:
         release = r.get("release") or {}
         lines.append(f"{r['mode']:<5} {r['path']:<44} {r['seconds']:6.2f} {r['gb_per_s']:6.2f} "
                      f"{r.get('ratio_to_limit', float('nan')):7.2f} {r['ttfb'] or float('nan'):6.2f} "
-                     f"{r['steady_gb_per_s'] or float('nan'):6.2f} {bound(r)} {r.get('release_seconds', float('nan')):9.2f} "
+                     f"{r['steady_gb_per_s'] or float('nan'):6.2f} {bound(r)} {cpu(r):>11} {r.get('release_seconds', float('nan')):9.2f} "
                      f"{mib(r['peak_rss']):>10} "
                      f"{mib(r.get('daemon_peak_rss')):>10} {mib(release.get('peak_host_bytes')):>11} "
                      f"{mib(release.get('peak_device_bytes')):>10} {mib(max(0, r['cached_after'])):>10} "
