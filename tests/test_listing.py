@@ -5,13 +5,14 @@ large pieces."""
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import os
 
 import pytest
 from safetensors import safe_open
 
-from conftest import mounted
-from dev.bench import trace as dev_trace
+from conftest import mapped_digests, mounted
 from rankfs import contract
 
 pytestmark = pytest.mark.mount
@@ -30,27 +31,45 @@ def cache_sources(checkpoint, cached: bool):
             os.close(fd)
 
 
-def list_view(checkpoint, mount_dir, trace) -> tuple[int, dict]:
-    """List every shard of a sliced rank's view as safetensors does; the requests that reached the
-    daemon for them, and its status."""
-    with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1, "--trace", trace):
+def direct_digests(directory) -> dict[str, str]:
+    """Each shard's digest, read with O_DIRECT: every byte a request the daemon answers, none of
+    the page cache."""
+    digests = {}
+    buffer = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT wants
+    for shard in sorted(directory.glob("*.safetensors")):
+        digest, fd, offset = hashlib.sha256(), os.open(shard, os.O_RDONLY | os.O_DIRECT), 0
+        try:
+            while done := os.preadv(fd, [buffer], offset):
+                digest.update(buffer[:done])
+                offset += done
+        finally:
+            os.close(fd)
+        digests[shard.name] = digest.hexdigest()
+    return digests
+
+
+def list_view(checkpoint, mount_dir) -> dict:
+    """List every shard of a sliced rank's view as safetensors does; the daemon's status then (its
+    `requests`: the reads that reached it). Then the view read through maps (the listing's pages from
+    the page cache) must hold the bytes the daemon answers."""
+    with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
         for path in sorted((mount_dir / "target").glob("*.safetensors")):
             with safe_open(path, framework="pt") as f:  # no tensor kept: it would keep the mount busy
                 assert all(f.get_tensor(name).numel() for name in f.keys())
         status = contract.read_status(str(mount_dir))
-    events = dev_trace.read_events(trace)  # complete once unmounted
-    return sum(e["event"] == "request" and e["path"].endswith(".safetensors") for e in events), status
+        assert mapped_digests(mount_dir / "target") == direct_digests(mount_dir / "target")
+    return status
 
 
-def test_a_listing_asks_the_daemon_for_nothing_where_the_sources_are_cached(large_checkpoint, mount_dir, tmp_path):
+def test_a_listing_asks_the_daemon_for_nothing_where_the_sources_are_cached(large_checkpoint, mount_dir):
     cache_sources(large_checkpoint, True)
-    requests, status = list_view(large_checkpoint, mount_dir, tmp_path / "trace.jsonl")
-    assert requests == 0 and status["listing_pages"] > 0
+    status = list_view(large_checkpoint, mount_dir)
+    assert status["requests"] == 0 and status["listing_pages"] > 0
 
 
-def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_dir, tmp_path):
+def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_dir):
     cache_sources(large_checkpoint, True)
-    _, warm = list_view(large_checkpoint, mount_dir, tmp_path / "warm.jsonl")
+    warm = list_view(large_checkpoint, mount_dir)
     cache_sources(large_checkpoint, False)
-    requests, cold = list_view(large_checkpoint, mount_dir, tmp_path / "cold.jsonl")
-    assert requests > 0 and 0 < cold["listing_pages"] < warm["listing_pages"]  # the header's and fill's pages
+    cold = list_view(large_checkpoint, mount_dir)
+    assert cold["requests"] > 0 and 0 < cold["listing_pages"] < warm["listing_pages"]  # the header's and fill's pages
