@@ -13,22 +13,21 @@ import pytest
 from safetensors import safe_open
 
 from conftest import mapped_digests, mounted
+from dev.memstate import uncache
 from rankfs import contract
 
 pytestmark = pytest.mark.mount
 
 
 def cache_sources(checkpoint, cached: bool):
-    for path in checkpoint.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if cached:
-                while os.read(fd, 16 << 20):
-                    pass
-            else:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    sources = sorted(checkpoint.glob("*.safetensors"))
+    if not cached:
+        uncache(sources)  # written back first: a fixture just written is dirty, and dirty pages stay
+        return
+    for path in sources:
+        with open(path, "rb") as f:
+            while f.read(16 << 20):
+                pass
 
 
 def direct_digests(directory) -> dict[str, str]:
