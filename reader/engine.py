@@ -190,7 +190,10 @@ class ReadEngine:
             chunk.listed += nbytes
             chunk.listed_in_push += in_push_range
             if chunk.listed >= chunk.length and not chunk.reads:  # read whole, here: no chunk read follows
-                self.stats.read_bytes[chunk.source] += chunk.length
+                if chunk.on_demand:
+                    self.stats.on_demand_read_bytes += chunk.length
+                else:
+                    self.stats.read_bytes[chunk.source] += chunk.length
                 chunk.reads += 1
             self._handed(chunk, nbytes)
 
