@@ -3,6 +3,7 @@ cache."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -10,13 +11,19 @@ import os
 MIB = 1 << 20
 
 
-def resident_pages(path) -> int:
-    """Pages of a file in the page cache: mincore over a private read-only map (faults nothing in)."""
+def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def resident_pages(path) -> int:
+    """Pages of a file in the page cache: mincore over a private read-only map (faults nothing in)."""
+    libc = _libc()
     size = os.path.getsize(path)
     pages = -(-size // mmap.PAGESIZE)
     fd = os.open(path, os.O_RDONLY)
@@ -33,6 +40,31 @@ def resident_pages(path) -> int:
         return sum(v & 1 for v in vec)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def pinned(paths):
+    """Every page of these files in the page cache, held there (mlock) until the block ends: the
+    2-core VMs run DAMON, which pages cold page cache out on its own, whatever the free memory."""
+    libc = _libc()
+    maps = []
+    try:
+        for path in paths:
+            size = os.path.getsize(path)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap {path}")
+            maps.append((address, size))
+            if libc.mlock(address, size) != 0:
+                raise OSError(ctypes.get_errno(), f"mlock {path}")
+        yield
+    finally:
+        for address, size in maps:
+            libc.munmap(address, size)  # unlocks too
 
 
 def cached_bytes(paths) -> int:

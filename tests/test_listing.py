@@ -13,21 +13,10 @@ import pytest
 from safetensors import safe_open
 
 from conftest import mapped_digests, mounted
-from dev.memstate import uncache
+from dev.memstate import pinned, uncache
 from rankfs import contract
 
 pytestmark = pytest.mark.mount
-
-
-def cache_sources(checkpoint, cached: bool):
-    sources = sorted(checkpoint.glob("*.safetensors"))
-    if not cached:
-        uncache(sources)  # written back first: a fixture just written is dirty, and dirty pages stay
-        return
-    for path in sources:
-        with open(path, "rb") as f:
-            while f.read(16 << 20):
-                pass
 
 
 def direct_digests(directory) -> dict[str, str]:
@@ -61,14 +50,15 @@ def list_view(checkpoint, mount_dir) -> dict:
 
 
 def test_a_listing_asks_the_daemon_for_nothing_where_the_sources_are_cached(large_checkpoint, mount_dir):
-    cache_sources(large_checkpoint, True)
-    status = list_view(large_checkpoint, mount_dir)
+    with pinned(sorted(large_checkpoint.glob("*.safetensors"))):
+        status = list_view(large_checkpoint, mount_dir)
     assert status["requests"] == 0 and status["listing_pages"] > 0
 
 
 def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_dir):
-    cache_sources(large_checkpoint, True)
-    warm = list_view(large_checkpoint, mount_dir)
-    cache_sources(large_checkpoint, False)
+    sources = sorted(large_checkpoint.glob("*.safetensors"))
+    with pinned(sources):
+        warm = list_view(large_checkpoint, mount_dir)
+    uncache(sources)  # written back first: a fixture just written is dirty, and dirty pages stay
     cold = list_view(large_checkpoint, mount_dir)
     assert cold["requests"] > 0 and 0 < cold["listing_pages"] < warm["listing_pages"]  # the header's and fill's pages
