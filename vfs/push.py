@@ -30,7 +30,6 @@ import time
 import pyfuse3
 import trio
 
-from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
 from rankfs.reader.engine import ReadEngine
 from rankfs.reader.io import PAGE
@@ -152,7 +151,7 @@ def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunk
         if extent.kind == "header":
             pieces.append(content.memory[lo:hi])
         elif extent.kind == "fill":
-            pieces.append(bytes([FILL_BYTE]) * (hi - lo))
+            pieces.append(engine.fill.take(hi - lo))
         elif extent.kind == "data":
             try:
                 piece = engine.read_cached(extent, lo, hi)
