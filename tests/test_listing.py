@@ -1,7 +1,12 @@
 """A safetensors listing of a view's file (its header, then the first byte of each tensor, before
 any copy) finds those pages in the page cache: they are pushed as the file is first opened, where
 the sources' page cache holds them. A cold source keeps the requests, whose readahead reads it in
-large pieces."""
+large pieces.
+
+The tests count the pages the daemon pushed, not the requests that follow: whether the kernel keeps
+a pushed page until the listing reads it is the kernel's call. The 2-core VMs run DAMON, which pages
+out unmapped page cache (128 MiB/s) in regions idle for a minute, fresh pages in them included; in
+one CI run a warm listing of the view made 50 requests (864 cold). The benchmark reports requests."""
 
 from __future__ import annotations
 
@@ -49,10 +54,10 @@ def list_view(checkpoint, mount_dir) -> dict:
     return status
 
 
-def test_a_listing_asks_the_daemon_for_nothing_where_the_sources_are_cached(large_checkpoint, mount_dir):
+def test_every_page_a_listing_reads_is_pushed_where_the_sources_are_cached(large_checkpoint, mount_dir):
     with pinned(sorted(large_checkpoint.glob("*.safetensors"))):
         status = list_view(large_checkpoint, mount_dir)
-    assert status["requests"] == 0 and status["listing_pages"] > 0
+    assert status["listing_pages"] > 0 and status["listing_pages_left"] == 0
 
 
 def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_dir):
@@ -62,3 +67,4 @@ def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_d
     uncache(sources)  # written back first: a fixture just written is dirty, and dirty pages stay
     cold = list_view(large_checkpoint, mount_dir)
     assert cold["requests"] > 0 and 0 < cold["listing_pages"] < warm["listing_pages"]  # the header's and fill's pages
+    assert cold["listing_pages"] + cold["listing_pages_left"] == warm["listing_pages"]

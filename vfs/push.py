@@ -118,6 +118,7 @@ async def push_listing_pages(engine: ReadEngine, inode: int, content: Content):
     """Push the pages a listing of the file reads (`Content.listing`), runs of them in one call."""
     pages, pieces = await trio.to_thread.run_sync(_store_listing, engine, inode, content)
     engine.stats.listing_pages += pages
+    engine.stats.listing_pages_left += len(content.listing) - pages
     engine.listed(pieces)
 
 
