@@ -16,7 +16,6 @@ the process's threads.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ import types
 
 import torch
 
-from dev.bench.engine_like import MoELayout, narrowed
+from dev.bench.engine_like import MoELayout, digest, narrowed
 from dev.memstate import uncache
 from rankfs.plan.profiles import BY_NAME
 
@@ -98,10 +97,6 @@ def vllm(directories: list[str]):
         with set_current_vllm_config(VllmConfig(model_config=configs[directory], load_config=load_config)):
             DefaultModelLoader(load_config).load_weights(model, configs[directory])
     return load
-
-
-def digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def main(engine: str, jobs: list[dict]):

@@ -10,6 +10,7 @@ first sight. Nothing here knows about rankfs.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import threading
 import time
@@ -105,6 +106,20 @@ def expert_counts(files: list[str], profile: Profile) -> dict[str, int]:
                 if expert is not None:
                     counts[expert.group] = max(counts.get(expert.group, 0), expert.expert + 1)
     return counts
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """The sha256 of a tensor's bytes, wherever it lies: two loads are bitwise equal where these are."""
+    return hashlib.sha256(tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()).hexdigest()
+
+
+def weights_digest(params: dict[str, torch.Tensor]) -> str:
+    """One sha256 over every parameter's name and digest, hashed by as many threads as cores
+    (hashlib lets the GIL go)."""
+    names = sorted(params)
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        digests = list(pool.map(lambda name: digest(params[name]), names))
+    return hashlib.sha256("".join(f"{n} {d}\n" for n, d in zip(names, digests)).encode()).hexdigest()
 
 
 class Progress:

@@ -14,7 +14,6 @@ O_DIRECT), or with `--warm` in it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from dev.bench.engine_like import shard_files
+from dev.bench.engine_like import digest, shard_files
 from dev.bench.run import drop_caches, warm
 from dev.session import ROOT, mounted
 
@@ -65,8 +64,7 @@ def child(mode: str, directory: str, counts_from: str, layout: dict, device: str
     out.update(rss_growth=after["rss"] - baseline["rss"],
                mem_available_lost=baseline["memavailable"] - after["memavailable"],
                cuda_reserved_growth=reserved, cached_growth=after["cached"] - baseline["cached"])
-    out["digests"] = {name: hashlib.sha256(p.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
-                      .hexdigest() for name, p in sorted(params.items())}
+    out["digests"] = {name: digest(p) for name, p in sorted(params.items())}
     return out
 
 

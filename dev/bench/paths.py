@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dev.bench import sources
-from dev.bench.engine_like import MoELayout, Progress, allocate, copy_weights, expert_counts, shard_files
+from dev.bench.engine_like import MoELayout, Progress, allocate, copy_weights, expert_counts, shard_files, weights_digest
 from dev.memstate import cpu_seconds, vm_hwm
 from rankfs.plan.profiles import BY_NAME
 
@@ -95,6 +95,7 @@ def run_load(args: dict) -> dict:
                                                      "peak_slab_bytes", "peak_host_bytes", "peak_device_bytes",
                                                      "staged_on", "slabs_alive", "pinned", "pinned_bytes",
                                                      "nontorch_since_load_start", "release_steps")}
+    result["weights_sha256"] = weights_digest(params)  # after the clock and the release: the benchmark compares rows
     return result
 
 

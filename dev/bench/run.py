@@ -121,6 +121,16 @@ def shape(result: dict, planned: int):
         result["gb_per_s"] = planned / result["seconds"] / 1e9
 
 
+def check_bitwise(rows: list[dict]):
+    """Each load's weights against those the first load of the original shards got (stock, the
+    ceiling or a peer): `bitwise` True where every run of the row equals them, False where one does
+    not, None with no such load in the run."""
+    reference = next((r["weights_sha256"] for r in rows if "weights_sha256" in r and not r["through_view"]), None)
+    for row in rows:
+        if "weights_sha256" in row:
+            row["bitwise"] = None if reference is None else set(row["runs_weights_sha256"]) == {reference}
+
+
 class Bench:
     def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
                  journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = (), repeat: int = 1,
@@ -152,6 +162,7 @@ class Bench:
             return runs[-1]
         median = timed[(len(timed) - 1) // 2]
         median["runs_seconds"] = [r["seconds"] for r in timed]
+        median["runs_weights_sha256"] = sorted({r["weights_sha256"] for r in timed if "weights_sha256" in r})
         return median
 
     def measure(self, label: str, kind: str, args: dict, mode: str, files: list[str],
@@ -169,7 +180,8 @@ class Bench:
         after = meminfo()
         if record is not None and record.exists():
             record.with_suffix(".summary.txt").write_text(profile.summarize(record) + "\n")
-        result.update(case=self.case_name, path=label, mode=mode, cached_after=after["Cached"] - before["Cached"])
+        result.update(case=self.case_name, path=label, mode=mode, cached_after=after["Cached"] - before["Cached"],
+                      through_view=mountpoint is not None)
         if mountpoint is not None:
             status = contract.read_status(str(mountpoint))
             result["daemon_peak_rss"] = vm_hwm(daemon)
@@ -225,6 +237,7 @@ class Bench:
             rows += self.mode_rows(mode, spec, ranges, files, names)
         for row in rows:
             shape(row, planned["read_bytes"])
+        check_bitwise(rows)
         for mode in modes:
             limit = min((r["seconds"] for r in rows if r["mode"] == mode and r["path"].startswith("limit")
                          and "seconds" in r), default=None)
@@ -273,12 +286,15 @@ class Bench:
         return rows
 
 
+BITWISE = {True: "equal", False: "DIFFER", None: "-"}  # a row's weights against the original shards'
+
+
 def table(result: dict) -> str:
     lines = [f"\n{result['case']}: {result['spec']}",
              f"{'mode':<5} {'path':<44} {'s':>6} {'GB/s':>6} {'x limit':>7} {'TTFB s':>6} {'steady':>6} "
              f"{'waited':>6} {'copy thr':>8} {'CPU s':>11} "
              f"{'release s':>9} {'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'hook GPU':>10} "
-             f"{'cache left':>10} {'runs s':>11}"]
+             f"{'cache left':>10} {'runs s':>11} {'bitwise':>7}"]
     mib = lambda n: f"{n / 2**20:6.0f} MiB" if n else f"{'-':>10}"  # noqa: E731
     spread = lambda r: (f"{min(r['runs_seconds']):.2f}-{max(r['runs_seconds']):.2f}"  # noqa: E731
                         if len(r.get("runs_seconds", ())) > 1 else "-")
@@ -297,7 +313,7 @@ def table(result: dict) -> str:
                      f"{mib(r['peak_rss']):>10} "
                      f"{mib(r.get('daemon_peak_rss')):>10} {mib(release.get('peak_host_bytes')):>11} "
                      f"{mib(release.get('peak_device_bytes')):>10} {mib(max(0, r['cached_after'])):>10} "
-                     f"{spread(r):>11}")
+                     f"{spread(r):>11} {BITWISE[r.get('bitwise')]:>7}")
     return "\n".join(lines)
 
 
@@ -379,12 +395,16 @@ def main(argv=None) -> int:
          "results": results}, indent=1))
     for result in results:
         print(table(result))
+    differ = [f"{result['case']} {r['mode']} {r['path']}" for result in results for r in result["rows"]
+              if r.get("bitwise") is False]
+    if differ:
+        print(f"\nbitwise: these loads' weights differ from the original shards': {'; '.join(differ)}")
     try:
         plot(results, out / "timeline.png")
         print(f"\nwrote {out / 'results.json'} and {out / 'timeline.png'}")
     except ImportError:
         print(f"\nwrote {out / 'results.json'} (no matplotlib here: no plot)")
-    return 0
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
