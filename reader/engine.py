@@ -82,16 +82,19 @@ class ReadEngine:
         hook reads headers). Whether the pages a listing of it reads are to be pushed now: its
         first buffered open, with pushes on, in a view no engine hook loads."""
         file.handles += 1
+        file.direct_handles += direct
+        file.view.opened_direct = direct
         push = self._pushing and not direct and not file.listed and not file.view.hooked
         file.listed = file.listed or push
         return push
 
-    def closed(self, file: FileStream):
-        """A handle of the file closed. Once a loader that consumed it lets go of it, what was read
+    def closed(self, file: FileStream, direct: bool = False):
+        """A handle of the file closed (`direct`: one opened with O_DIRECT). Once a loader that consumed it lets go of it, what was read
         ahead in it is behind that loader, whatever it skipped: a loader that narrows whole experts
         never reads half of each, whose chunks held the budget until a drop (the frontier stops at
         the first of them)."""
         file.handles -= 1
+        file.direct_handles -= direct
         if file.handles == 0 and file.consuming:
             for chunk in [c for c in self.held.loaded.values() if c.file is file]:
                 self.held.let_pass(chunk)
@@ -203,7 +206,10 @@ class ReadEngine:
 
     def push_range(self, chunk: Chunk) -> tuple[int, int] | None:
         """What to push of an offered chunk now, or None: it was read meanwhile, the loader is about
-        to read it, or too little of it lies on whole pages."""
+        to read it, its file's readers read past the page cache, or too little of it lies on whole
+        pages."""
+        if chunk.file.read_direct:
+            return None
         if chunk.file.reading and chunk.stream_pos <= chunk.file.frontier + PUSH_GAP_CHUNKS:
             return None
         if not chunk.fill and (chunk.buffer is None or chunk.requested):

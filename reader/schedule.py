@@ -25,6 +25,7 @@ class FileStream:
     cursor: int = 0
     frontier: int = 0
     handles: int = 0  # open file handles
+    direct_handles: int = 0  # of them, opened with O_DIRECT: their reads never look in the page cache
     reading: bool = False  # read since it was opened
     served: int = 0  # source bytes read by a loader since then
     listed: bool = False  # the pages a listing reads were pushed, at its first open (a drop leaves them out)
@@ -42,6 +43,15 @@ class FileStream:
         return self.frontier != start
 
     @property
+    def read_direct(self) -> bool:
+        """Its readers read past the page cache (runai-model-streamer, InstantTensor's direct
+        backends): only O_DIRECT handles hold it open, or, with none open, the view's latest open
+        was one. A push into its page cache would only cost the daemon's CPU and the kernel's memory."""
+        if self.handles:
+            return self.handles == self.direct_handles
+        return self.view.opened_direct
+
+    @property
     def consuming(self) -> bool:
         """A loader reads its tensors, not only the header and the kernel's read-around."""
         return self.reading and self.served >= CONSUMING_BYTES
@@ -56,6 +66,7 @@ class ViewStream:
     active: bool = False  # a file of the view has been read
     running: bool = False  # a prefetch pass is under way
     hooked: bool = False  # an engine hook loads it from the sources: not prefetched
+    opened_direct: bool = False  # its latest file open was with O_DIRECT
     passes: int = 0
     planned_bytes: int = 0
     served_bytes: int = 0

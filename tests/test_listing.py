@@ -10,35 +10,14 @@ one CI run a warm listing of the view made 50 requests (864 cold). The benchmark
 
 from __future__ import annotations
 
-import hashlib
-import mmap
-import os
-
 import pytest
 from safetensors import safe_open
 
-from conftest import mapped_digests, mounted
+from conftest import direct_digests, mapped_digests, mounted
 from dev.memstate import pinned, uncache
 from rankfs import contract
 
 pytestmark = pytest.mark.mount
-
-
-def direct_digests(directory) -> dict[str, str]:
-    """Each shard's digest, read with O_DIRECT: every byte a request the daemon answers, none of
-    the page cache."""
-    digests = {}
-    buffer = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT wants
-    for shard in sorted(directory.glob("*.safetensors")):
-        digest, fd, offset = hashlib.sha256(), os.open(shard, os.O_RDONLY | os.O_DIRECT), 0
-        try:
-            while done := os.preadv(fd, [buffer], offset):
-                digest.update(buffer[:done])
-                offset += done
-        finally:
-            os.close(fd)
-        digests[shard.name] = digest.hexdigest()
-    return digests
 
 
 def list_view(checkpoint, mount_dir) -> dict:

@@ -8,7 +8,7 @@ import collections
 
 import pytest
 
-from conftest import mapped_digests, mounted, rankfs, settled_status
+from conftest import direct_digests, mapped_digests, mounted, rankfs, settled_status
 from dev.bench.trace import read_events
 from dev.memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
 from rankfs import contract
@@ -64,6 +64,21 @@ def test_pushed_views_read_as_served(large_checkpoint, mount_dir, tmp_path, push
     assert push_threads > 1 or max(batches.values()) > 1
     with mounted(large_checkpoint, mount_dir, *flags, "--no-push"):
         assert mapped_digests(mount_dir / "target") == pushed
+
+
+def test_a_view_read_with_o_direct_is_read_ahead_into_memory_not_pushed(large_checkpoint, mount_dir):
+    """Readers that bypass the page cache (runai-model-streamer, InstantTensor's direct backends)
+    hold the files open with O_DIRECT only: what is read ahead for them answers their requests from
+    memory, and nothing, source bytes or fill, is pushed into a page cache they never read (on the
+    2-core VM, pushes of a sliced view runai read took more of its two cores than the reading)."""
+    flags = ("--tp-size", 4, "--tp-rank", 1)  # experts sliced: fill too
+    with mounted(large_checkpoint, mount_dir, *flags):
+        direct = direct_digests(mount_dir / "target")
+        status = contract.read_status(str(mount_dir))
+    assert status["prefetch_loads"] > 0 and status["read_bytes"] > 0
+    assert status["pushed_bytes"] == status["pushed_fill_bytes"] == status["listing_pages"] == 0
+    with mounted(large_checkpoint, mount_dir, *flags, "--no-push"):
+        assert mapped_digests(mount_dir / "target") == direct
 
 
 def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):

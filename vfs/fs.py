@@ -36,6 +36,7 @@ class RankFS(pyfuse3.Operations):
         self.engine = engine
         self.command = command  # carries out a control-file command written by process `pid`
         self._handles: dict[int, Content | int] = {}  # fh -> its file, or the writer's pid (control)
+        self._direct: set[int] = set()  # the handles opened with O_DIRECT
         self._next_fh = 1
         self.requests = 0  # reads answered, and their bytes: the average tells the request size
         self.request_bytes = 0
@@ -130,7 +131,10 @@ class RankFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         # Generated files are snapshot at open and never cached; the rest stay cached across opens.
         content = memory_content(node.render()) if node.render else node.content()
-        if content.stream is not None and self.engine.opened(content.stream, bool(flags & os.O_DIRECT)):
+        direct = bool(flags & os.O_DIRECT)
+        if direct:
+            self._direct.add(fh)
+        if content.stream is not None and self.engine.opened(content.stream, direct):
             await push_listing_pages(self.engine, inode, content)
         self._handles[fh] = content
         return pyfuse3.FileInfo(fh=fh, direct_io=node.render is not None, keep_cache=node.render is None)
@@ -189,5 +193,7 @@ class RankFS(pyfuse3.Operations):
 
     async def release(self, fh):
         content = self._handles.pop(fh, None)
+        direct = fh in self._direct
+        self._direct.discard(fh)
         if isinstance(content, Content) and content.stream is not None:
-            self.engine.closed(content.stream)
+            self.engine.closed(content.stream, direct)
