@@ -89,10 +89,10 @@ class ReadEngine:
         return push
 
     def closed(self, file: FileStream, direct: bool = False):
-        """A handle of the file closed (`direct`: one opened with O_DIRECT). Once a loader that consumed it lets go of it, what was read
-        ahead in it is behind that loader, whatever it skipped: a loader that narrows whole experts
-        never reads half of each, whose chunks held the budget until a drop (the frontier stops at
-        the first of them)."""
+        """A handle of the file closed (`direct`: one opened with O_DIRECT). Once a loader that
+        consumed it lets go of it, what was read ahead in it is behind that loader, whatever it
+        skipped: a loader that narrows whole experts never reads half of each, whose chunks held
+        the budget until a drop (the frontier stops at the first of them)."""
         file.handles -= 1
         file.direct_handles -= direct
         if file.handles == 0 and file.consuming:

@@ -18,7 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dev.bench import sources
-from dev.bench.engine_like import MoELayout, Progress, allocate, copy_weights, expert_counts, shard_files, weights_digest
+from dev.bench.engine_like import (MoELayout, Progress, allocate, copy_weights, expert_counts, shard_files,
+                                   weights_digest)
 from dev.memstate import cpu_seconds, vm_hwm
 from rankfs.plan.profiles import BY_NAME
 
