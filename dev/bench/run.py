@@ -16,6 +16,8 @@ threads into preallocated parameters on --device), fed by the path's source:
     engine ceiling   tensors staged in page-locked memory before the clock: the engine's own cost
     stock            safe_open (mmap) of the original shards
     rankfs           the same loader on the rank's view, through FUSE
+    view-preads      the limit's O_DIRECT preads over every byte of the view's shards: the daemon's
+                     request rate, as readers of their own with O_DIRECT get it (runai-model-streamer)
     rankfs + hook    the same, under the hook (rankfs run): tensors read from the sources directly
     <peer>           each peer as an engine uses it as a load format, on the originals and on the view
 
@@ -57,7 +59,7 @@ CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), a
     "ep1-sliced": (4, 1, 1),
 }
 PEERS = ("instanttensor", "fastsafetensors", "runai")
-PATHS = ("limit", "ceiling", "stock", "rankfs", "hook", "peers", "peers-on-view")
+PATHS = ("limit", "ceiling", "stock", "rankfs", "view-preads", "hook", "peers", "peers-on-view")
 # What each mount's daemon did for a row (a fresh mount per row): how the bytes reached the loader.
 DAEMON_COUNTERS = ("read_bytes", "pushed_bytes", "pushed_fill_bytes", "requests", "request_bytes", "fill_bytes",
                    "demand_loads", "prefetch_loads")
@@ -106,6 +108,11 @@ def rank_ranges(layout) -> list[tuple[str, int, int]]:
              for vfile in layout.view("target").files for e in vfile.extents()
              if e.kind == "data" and not e.on_demand]
     return [(path, begin, end - begin) for path, begin, end in merge_adjacent(spans)]
+
+
+def whole_files(directory: Path) -> list[tuple[str, int, int]]:
+    """(path, 0, size) of each shard in a directory: every byte of it."""
+    return [(str(p), 0, p.stat().st_size) for p in sorted(directory.glob("*.safetensors"))]
 
 
 def shape(result: dict, planned: int):
@@ -266,6 +273,9 @@ class Bench:
             measure("stock (engine-like, mmap)", "load", self.load_args(self.checkpoint, spec))
         if "rankfs" in paths:
             measure("rankfs", "load", lambda mnt: self.load_args(mnt / "target", spec), spec)
+        if "view-preads" in paths:
+            measure("rankfs: O_DIRECT preads of the view", "raw",
+                    lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec)
         if "hook" in paths:
             measure("rankfs + hook", "load", lambda mnt: self.load_args(mnt / "target", spec, hook=True), spec)
         for peer in self.peers if {"peers", "peers-on-view"} & paths else ():
