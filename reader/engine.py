@@ -193,11 +193,7 @@ class ReadEngine:
             chunk.listed += nbytes
             chunk.listed_in_push += in_push_range
             if chunk.listed >= chunk.length and not chunk.reads:  # read whole, here: no chunk read follows
-                if chunk.on_demand:
-                    self.stats.on_demand_read_bytes += chunk.length
-                else:
-                    self.stats.read_bytes[chunk.source] += chunk.length
-                chunk.reads += 1
+                self._count_read(chunk)
             self._handed(chunk, nbytes)
 
     def enable_push(self):
@@ -328,12 +324,7 @@ class ReadEngine:
                 limiter=self._ahead_threads if prefetched else self._waited_threads)
             chunk.backing = self.held.backing(chunk, buffer)
             chunk.error = None
-            if chunk.on_demand:
-                self.stats.on_demand_read_bytes += chunk.length
-            else:
-                self.stats.read_bytes[chunk.source] += chunk.length
-                self.stats.reread_bytes += chunk.length if chunk.reads else 0
-            chunk.reads += 1
+            self._count_read(chunk)
             self.trace.chunk("read", chunk, (asked, began, ended), demand=not prefetched)
             self.held.add(chunk)
             if prefetched and self._pushing and drops == self.drops:
@@ -351,6 +342,15 @@ class ReadEngine:
             event.set()
             if prefetched:
                 self._ahead_bytes.release(chunk.length)
+
+    def _count_read(self, chunk: Chunk):
+        """The chunk's bytes were read from its source: as the plan's, or on demand (row stores)."""
+        if chunk.on_demand:
+            self.stats.on_demand_read_bytes += chunk.length
+        else:
+            self.stats.read_bytes[chunk.source] += chunk.length
+            self.stats.reread_bytes += chunk.length if chunk.reads else 0
+        chunk.reads += 1
 
     def _read_chunk(self, chunk: Chunk, buffer):
         """Runs in a worker thread: the chunk's range of its source's map, resident; or a read into
