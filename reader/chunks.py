@@ -26,7 +26,8 @@ class Chunk:
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "served", "requested",
-                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed", "listed_in_push")
+                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed", "listed_in_push",
+                 "signal", "pushed")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # offset in the virtual file
@@ -54,6 +55,8 @@ class Chunk:
         self.tail = b""
         self.listed = 0  # bytes handed with a listing's pages (`served` counts them)
         self.listed_in_push = 0  # of them, within its push range (a push of it then hands the rest)
+        self.signal = not self.fill  # a push leaves its first page out (`push_range`); see SIGNAL_EVERY_CHUNKS
+        self.pushed = False  # its pages were pushed into the view's page cache
 
     @property
     def end(self) -> int:
@@ -75,14 +78,16 @@ class Chunk:
 
     @property
     def passed(self) -> bool:
-        """A loader is past it: it read some of it, or there is nothing for it to read (fill)."""
-        return self.requested or self.fill
+        """A loader is past it: it read some of it, or there is nothing for it to read (fill), or
+        it was pushed and the loader has asked for a later chunk of its file (a signal page the
+        listing pushed is never asked for)."""
+        return self.requested or self.fill or (self.pushed and self.stream_pos < self.file.reached)
 
     def push_range(self) -> tuple[int, int]:
         """The whole pages a push stores: all but the partial ones and, of source bytes, the first
         (the loader's read of it tells the engine the chunk is being consumed)."""
         start, end = inner_pages(self.start, self.end)
-        return (start if self.fill else start + PAGE), end
+        return (start + PAGE if self.signal else start), end
 
     def read_span(self, direct_io: bool) -> tuple[int, int]:
         """[begin, end) in its source of one read of it: O_DIRECT widens it to whole pages."""
@@ -90,12 +95,12 @@ class Chunk:
         return covering_pages(begin, end) if direct_io else (begin, end)
 
 
-def listing_pages(header_bytes: int, tensor_starts, chunks: list[Chunk]) -> list[int]:
+def listing_pages(header_bytes: int, tensor_starts) -> list[int]:
     """The pages a safetensors reader reads as it lists a file, before it copies anything: the
     header's, and the one holding each tensor's first byte (safetensors reads it as it makes the
-    tensor); less each chunk's signal page, which must stay a request (`push_range`). Sorted."""
-    pages = set(range(0, align_up(header_bytes), PAGE)) | {align_down(start) for start in tensor_starts}
-    return sorted(pages - {align_up(c.start) for c in chunks if not c.fill})
+    tensor). A signal page among them is pushed too: the chunk is passed once the loader reads a
+    later one (`Chunk.passed`). Sorted."""
+    return sorted(set(range(0, align_up(header_bytes), PAGE)) | {align_down(start) for start in tensor_starts})
 
 
 class Fill:
@@ -111,13 +116,16 @@ class Fill:
 
 
 def split_extent(extent: Extent, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
-    """Chunks of at most chunk_bytes (whole rows for masked extents). On-demand extents (row
-    stores) are read in small pieces: their readers touch a few rows, not the whole table."""
-    step = ON_DEMAND_CHUNK_BYTES if extent.on_demand else chunk_bytes
+    """Chunks of at most chunk_bytes, cut on pages (a page across two chunks is one neither push
+    stores: a request the loader waits on), or whole rows for masked extents. On-demand extents
+    (row stores) are read in small pieces: their readers touch a few rows, not the whole table."""
     if extent.row_bytes:
         step = max(extent.row_bytes, chunk_bytes // extent.row_bytes * extent.row_bytes)
-    return [Chunk(extent, start, min(step, extent.end - start))
-            for start in range(extent.offset, extent.end, step)]
+        cuts = list(range(extent.offset, extent.end, step))
+    else:
+        step = ON_DEMAND_CHUNK_BYTES if extent.on_demand else chunk_bytes
+        cuts = [extent.offset, *range(align_down(extent.offset) + step, extent.end, step)]
+    return [Chunk(extent, start, end - start) for start, end in zip(cuts, [*cuts[1:], extent.end])]
 
 
 def overlapping(runs, starts: list[int], offset: int, end: int):

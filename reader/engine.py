@@ -172,16 +172,18 @@ class ReadEngine:
         chunk.requested = True
         if chunk.file is not None:
             chunk.file.served += nbytes
+            chunk.file.reached = max(chunk.file.reached, chunk.stream_pos)
             if chunk.file.advance():
                 self._release_passed(chunk.file)
         self._handed(chunk, nbytes)
 
-    def _handed(self, chunk: Chunk, nbytes: int):
-        """Account bytes handed to the kernel (read or pushed); a chunk handed whole is freed."""
+    def _handed(self, chunk: Chunk, nbytes: int, free: bool = True):
+        """Account bytes handed to the kernel (read or pushed); a chunk handed whole is freed, unless
+        told not to be."""
         chunk.served += nbytes
         if chunk.file is not None:
             chunk.file.view.served_bytes += nbytes
-        if chunk.served >= chunk.length:
+        if free and chunk.served >= chunk.length:
             self.held.free(chunk)
 
     # -- pushing into the kernel's page cache ---------------------------------------------------
@@ -240,14 +242,16 @@ class ReadEngine:
         chunk.backing = None
         self.held.pushed[id(chunk)] = chunk
         self.stats.pushed_bytes += end - start
-        self._handed(chunk, end - start - chunk.listed_in_push)
+        chunk.pushed = True
+        # A chunk with no signal page is never asked for: it counts until the loader asks for a later one.
+        self._handed(chunk, end - start - chunk.listed_in_push, free=chunk.signal)
 
     def _release_passed(self, file: FileStream):
-        # Pushed chunks far behind the loader whose first page it never asked for (their pages were
-        # already cached, or evicted and skipped, or it reads out of the stream's order): no longer
-        # ahead of it, so no longer budgeted.
-        for chunk in [c for c in self.held.pushed.values()
-                      if c.file is file and c.stream_pos < file.frontier - PUSH_LAG_CHUNKS]:
+        # Pushed chunks the loader is past, so no longer budgeted: behind its frontier and a chunk it
+        # asked for (a chunk with no signal page is never asked for), or far behind the frontier
+        # (their first page was already cached, or evicted and skipped, or read out of order).
+        for chunk in [c for c in self.held.pushed.values() if c.file is file and c.stream_pos < file.frontier
+                      - (0 if c.stream_pos < file.reached else PUSH_LAG_CHUNKS)]:
             self.held.let_pass(chunk)
 
     def drop(self):
@@ -292,7 +296,7 @@ class ReadEngine:
                 await self._ahead_bytes.wait_for_room(CHUNK_BYTES)
                 chunk = view.next_chunk() if view.passes == this_pass else None
                 if chunk is None or chunk.fill or chunk.prefetched == view.passes or chunk.requested \
-                        or chunk.buffer is not None or chunk.loading is not None:
+                        or chunk.buffer is not None or chunk.loading is not None or chunk.served >= chunk.length:
                     if chunk is None:
                         return
                     if chunk.fill and chunk.prefetched != view.passes and self._pushing:

@@ -10,6 +10,10 @@ from rankfs.reader.chunks import CHUNK_BYTES, Chunk
 # More than the kernel reads around a header at the default readahead (16 MiB): a file that served
 # this much is being consumed.
 CONSUMING_BYTES = 3 * CHUNK_BYTES
+# One chunk of source bytes in this many is pushed with its first page left out: the loader's read of
+# that page (a request it waits on) tells the engine how far it has consumed the file. The chunks
+# between are passed once the loader asks for a later one (`Chunk.passed`).
+SIGNAL_EVERY_CHUNKS = 8
 
 
 @dataclass
@@ -28,6 +32,7 @@ class FileStream:
     direct_handles: int = 0  # of them, opened with O_DIRECT: their reads never look in the page cache
     reading: bool = False  # read since it was opened
     served: int = 0  # source bytes read by a loader since then
+    reached: int = 0  # the furthest stream position a loader asked for
     listed: bool = False  # the pages a listing reads were pushed, at its first open (a drop leaves them out)
 
     def lead(self) -> int:
@@ -81,6 +86,8 @@ class ViewStream:
             file = FileStream(stream, prefetchable)
             for pos, chunk in enumerate(prefetchable):
                 chunk.stream_pos, chunk.file = pos, file
+            for i, chunk in enumerate(c for c in prefetchable if not c.fill):
+                chunk.signal = i % SIGNAL_EVERY_CHUNKS == 0
             stream.files.append(file)
             stream.planned_bytes += sum(c.length for c in prefetchable if not c.fill)
         return stream
@@ -106,6 +113,7 @@ class ViewStream:
         """A view read again after a drop (another engine, a restart) is prefetched from its start."""
         self.running, self.passes = False, self.passes + 1  # ends the pass under way
         for file in self.files:
-            file.cursor, file.frontier, file.reading, file.served = 0, 0, False, 0
+            file.cursor, file.frontier, file.reading, file.served, file.reached = 0, 0, False, 0, 0
             for chunk in file.chunks:
                 chunk.served, chunk.requested, chunk.listed, chunk.listed_in_push = 0, False, 0, 0
+                chunk.pushed = False

@@ -11,10 +11,10 @@ from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.spec import RankSpec
-from rankfs.reader.chunks import CHUNK_BYTES, Chunk, listing_pages
+from rankfs.reader.chunks import CHUNK_BYTES, Chunk, listing_pages, split_extent
 from rankfs.reader.io import PAGE
 from rankfs.reader.engine import ReadEngine
-from rankfs.reader.schedule import CONSUMING_BYTES, ViewStream
+from rankfs.reader.schedule import CONSUMING_BYTES, SIGNAL_EVERY_CHUNKS, ViewStream
 from rankfs.vfs.tree import LazyView
 
 CHUNKS = 6
@@ -34,6 +34,7 @@ def read(view: ViewStream, file: int, position: int):
     chunk.requested = True
     stream.reading = True
     stream.served += chunk.length
+    stream.reached = max(stream.reached, position)
     stream.advance()
 
 
@@ -94,9 +95,25 @@ def test_an_open_during_the_background_layout_finishes_it_and_the_view_is_regist
     assert lazy.content(len(view.files) - 1) is last and last.stream is streams.files[-1]
 
 
-def test_a_listing_reads_the_header_and_each_tensors_first_page_but_no_signal_page():
+def test_a_listing_reads_the_header_and_each_tensors_first_page():
+    tensors = [10_000, 10_000 + 5 * PAGE + 7, 10_000 + CHUNK_BYTES + 100]
+    assert listing_pages(10_000, tensors) == [0, PAGE, 2 * PAGE, 7 * PAGE, (10_000 + CHUNK_BYTES) // PAGE * PAGE]
+
+
+def test_chunks_are_cut_on_pages_so_that_no_page_lies_across_two():
     extent = Extent(10_000, 3 * CHUNK_BYTES, "data", source=0)
-    chunks = [Chunk(extent, 10_000 + i * CHUNK_BYTES, CHUNK_BYTES) for i in range(3)]
-    signal = chunks[1].start // PAGE * PAGE + PAGE  # the first whole page of the second chunk
-    tensors = [10_000, 10_000 + 5 * PAGE + 7, signal + 100]
-    assert listing_pages(10_000, tensors, chunks) == [0, PAGE, 2 * PAGE, 7 * PAGE]
+    chunks = split_extent(extent)
+    assert chunks[0].start == 10_000 and all(c.start % PAGE == 0 for c in chunks[1:])
+    assert [c.end for c in chunks[:-1]] == [c.start for c in chunks[1:]] and chunks[-1].end == extent.offset + extent.length
+
+
+def test_one_chunk_in_eight_keeps_its_first_page_for_a_request_and_the_others_are_passed_once_a_later_one_is_read():
+    view = ViewStream.of("target", [split_extent(Extent(0, 20 * CHUNK_BYTES, "data", source=0))])
+    chunks = view.files[0].chunks
+    assert [c.signal for c in chunks] == [i % SIGNAL_EVERY_CHUNKS == 0 for i in range(20)]
+    assert chunks[0].push_range() == (PAGE, CHUNK_BYTES) and chunks[1].push_range() == (CHUNK_BYTES, 2 * CHUNK_BYTES)
+    chunks[1].pushed = chunks[2].pushed = True
+    read(view, 0, 0)
+    assert not chunks[1].passed and not chunks[2].passed
+    read(view, 0, SIGNAL_EVERY_CHUNKS)  # the next signal page: the pushed chunks before it were read
+    assert chunks[1].passed and chunks[2].passed and not chunks[SIGNAL_EVERY_CHUNKS + 1].passed

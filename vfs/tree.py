@@ -93,7 +93,7 @@ class LazyView:
             chunk.file_id = inode
         path = f"{self.directory}/{vfile.name}"
         self.engine.trace.file(inode, path)
-        listing = listing_pages(len(vfile.header), [t.offset for t in vfile.tensors], chunks)
+        listing = listing_pages(len(vfile.header), [t.offset for t in vfile.tensors])
         self._built.append((Content(vfile.size, extents, vfile.header, runs, path=path, listing=listing), chunks))
         return True
 
