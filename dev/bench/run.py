@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -368,6 +369,8 @@ def main(argv=None) -> int:
                    help="trace the daemon of each row through a view (rankfs mount --trace): "
                         "OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace)")
     args = p.parse_args(argv)
+    # A run stopped by `timeout` or kill unwinds as Ctrl-C does: the row's mount is unmounted on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     size = args.size_gb or (24.0 if args.device != "cpu" else 8.0)
     workdir = Path(args.workdir)
     checkpoint = workdir / f"checkpoint-{size:g}gb"
