@@ -84,8 +84,8 @@ class Chunk:
         return self.requested or self.fill or (self.pushed and self.stream_pos < self.file.reached)
 
     def push_range(self) -> tuple[int, int]:
-        """The whole pages a push stores: all but the partial ones and, of source bytes, the first
-        (the loader's read of it tells the engine the chunk is being consumed)."""
+        """The whole pages a push stores: all but the partial ones and, of a signal chunk, the first
+        (the loader's read of it tells the engine how far the file is consumed)."""
         start, end = inner_pages(self.start, self.end)
         return (start + PAGE if self.signal else start), end
 
