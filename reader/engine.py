@@ -7,9 +7,9 @@ Everything about disks, threads, prefetch order and memory lives here.
 
 Prefetched chunks well ahead of the loader are offered on `pushable` to whoever can put them into the
 kernel's page cache (the serving layer's pusher); a pushed chunk keeps only its edges, the bytes
-outside whole pages and its first page. That first page is left out on purpose: the loader's read of
-it is the signal that the chunk is being consumed, which is when its bytes stop counting against the
-budget. Chunks of fill (outside a rank's slices) are offered as the prefetch passes them: nothing
+outside whole pages, and one chunk in eight its first page too: the loader's read of that page is the
+signal of how far it has consumed the file, which is when the bytes pushed before it stop counting
+against the budget. Chunks of fill (outside a rank's slices) are offered as the prefetch passes them: nothing
 to read, nothing held.
 """
 
@@ -37,8 +37,8 @@ log = logging.getLogger("rankfs.reader")
 # answered from memory, not pushed (a push would wait on the page locks of those reads). In a file
 # it has not begun, they are pushed: otherwise the first of every file came as requests.
 PUSH_GAP_CHUNKS = 4
-# A pushed chunk whose first page was never read (evicted, or skipped) stops counting against the
-# budget once the loader is this many chunks past it.
+# A pushed chunk not known to be consumed (no later chunk of its file asked for: a signal page evicted
+# or skipped) stops counting against the budget once the loader's frontier is this many chunks past it.
 PUSH_LAG_CHUNKS = 32
 MIN_PUSH_BYTES = 64 << 10
 # A view is prefetched once it has served this much: a loader, not a look at a header.
@@ -226,7 +226,7 @@ class ReadEngine:
     def pushed(self, chunk: Chunk, backing: Backing | None, start: int, end: int,
                times: tuple[float, float, float]):
         """[start, end) of the chunk, pushed from `backing`, is in the kernel's page cache: keep only
-        the edges. The chunk still counts against the budget until the loader reads its first page.
+        the edges. The chunk still counts against the budget until the loader is past it (`Chunk.passed`).
         `times`: when the push was asked of a thread, began and ended, for the trace."""
         if chunk.fill:
             self.stats.pushed_fill_bytes += end - start

@@ -22,7 +22,7 @@ log = logging.getLogger("rankfs.reader")
 DEMAND_SLACK = 64 << 20
 # Edges of pushed chunks the loader is well past, kept (this much at most, the oldest dropped first)
 # after their budget went: a reader out of the stream's order (cp, a read by offset) then reads a
-# chunk's first page from memory, not the whole chunk again.
+# chunk's edges from memory, not the whole chunk again.
 PASSED_EDGE_BYTES = 16 << 20
 
 
