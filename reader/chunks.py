@@ -26,8 +26,8 @@ class Chunk:
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "served", "requested",
-                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed", "listed_in_push",
-                 "signal", "pushed")
+                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed",
+                 "listed_in_push", "signal", "pushed")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # offset in the virtual file

@@ -104,7 +104,8 @@ def test_chunks_are_cut_on_pages_so_that_no_page_lies_across_two():
     extent = Extent(10_000, 3 * CHUNK_BYTES, "data", source=0)
     chunks = split_extent(extent)
     assert chunks[0].start == 10_000 and all(c.start % PAGE == 0 for c in chunks[1:])
-    assert [c.end for c in chunks[:-1]] == [c.start for c in chunks[1:]] and chunks[-1].end == extent.offset + extent.length
+    assert [c.end for c in chunks[:-1]] == [c.start for c in chunks[1:]]
+    assert chunks[-1].end == extent.offset + extent.length
 
 
 def test_one_chunk_in_eight_keeps_its_first_page_for_a_request_and_the_others_are_passed_once_a_later_one_is_read():
