@@ -7,10 +7,10 @@ Everything about disks, threads, prefetch order and memory lives here.
 
 Prefetched chunks well ahead of the loader are offered on `pushable` to whoever can put them into the
 kernel's page cache (the serving layer's pusher); a pushed chunk keeps only its edges, the bytes
-outside whole pages, and one chunk in eight its first page too: the loader's read of that page is the
-signal of how far it has consumed the file, which is when the bytes pushed before it stop counting
-against the budget. Chunks of fill (outside a rank's slices) are offered as the prefetch passes them: nothing
-to read, nothing held.
+outside whole pages, and one chunk in eight its first page too: the loader's read of that page is
+the signal of how far it has consumed the file, which is when the bytes pushed before it stop
+counting against the budget. Chunks of fill (outside a rank's slices) are offered as the prefetch
+passes them: nothing to read, nothing held.
 """
 
 from __future__ import annotations

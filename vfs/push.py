@@ -4,9 +4,9 @@ first opened, the pages a listing of it reads.
 Every FUSE reply is copied on the one event-loop thread. `notify_store` copies from threads of its
 own, so the loader then finds the bytes in page cache and reads them at the kernel's speed with no
 request at all. Only chunks the read engine offers are pushed: whole pages of a chunk well ahead of
-the loader (of one chunk in eight, all but the first, so that the loader's read of it tells the engine
-how far the file is consumed); and the fill outside the rank's slices, which the kernel's read-around would
-otherwise ask for (it costs no read).
+the loader (of one chunk in eight, all but the first, so that the loader's read of it tells the
+engine how far the file is consumed); and the fill outside the rank's slices, which the kernel's
+read-around would otherwise ask for (it costs no read).
 
 A safetensors reader lists a file before it copies: it reads the header, then the first byte of
 every tensor as it makes it, holding the GIL. Through a mount each of those reads, where the page
