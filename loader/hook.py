@@ -28,6 +28,7 @@ from rankfs.loader.settings import HookSettings, rank_override
 from rankfs.loader.slabs import SlabPool
 from rankfs.loader.staged import StagedFile
 from rankfs.reader.io import PAGE, align_down
+from rankfs.reader.trace import Trace
 
 log = logging.getLogger("rankfs.hook")
 
@@ -58,6 +59,7 @@ class Hook:
         self.on_device = None if device is None else DeviceSlabs(device, settings.slab_bytes, self.budget,
                                                                  wanted=self._slabs_wanted, retire=self._retire)
         self.link = DaemonLink()
+        self.trace = Trace(settings.trace_file)
         self.executor: OrderedExecutor | None = None  # reads into slabs
         self.map_executor: OrderedExecutor | None = None  # reads mapped tensors ahead
         self.paths: set[str] = set()  # rankfs files the current load opened
@@ -77,6 +79,7 @@ class Hook:
         return {os.path.dirname(path) for path in self.paths}
 
     def safe_open(self, filename, framework="pt", device="cpu", **kwargs):
+        began = time.monotonic()
         path = os.path.abspath(os.fspath(filename))
         if framework not in ("pt", "torch") or str(device) != "cpu" or kwargs:
             return self.stock_open(filename, framework=framework, device=device, **kwargs)
@@ -103,7 +106,9 @@ class Hook:
                 self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget)
                 if self.on_device is not None:
                     self.on_device.prepare_bounces(self.settings.threads)
-        return MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)
+        opened = MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)
+        self.trace.event("open", path=path, began=began, groups=len(opened.groups))
+        return opened
 
     def _maps_file(self, placement: dict) -> bool:
         """Whether a file's tensors view maps of its sources. For loads into host memory, by
@@ -223,6 +228,8 @@ class Hook:
             - ((after["cuda_reserved"] - start["cuda_reserved"]) if memory.unified_memory() else 0),
         }
         print(memory.format_line(figures), file=sys.stderr, flush=True)  # one line, whatever logging the engine set up
+        self.trace.event("release", phase=phase, began=clock.began)
+        self.trace.flush()
         self.releases.append(figures)
         for file, names in leftovers:
             message = (f"rankfs: a slab of {file} is still alive after the {phase} load, held by "
@@ -238,7 +245,7 @@ class _StepClock:
 
     def __init__(self):
         self.steps: dict[str, float] = {}
-        self._began = self._last = time.monotonic()
+        self.began = self._last = time.monotonic()
 
     def step(self, name: str):
         now = time.monotonic()
@@ -246,7 +253,7 @@ class _StepClock:
         self._last = now
 
     def total(self) -> float:
-        return round(self._last - self._began, 3)
+        return round(self._last - self.began, 3)
 
 
 def _drop_page_cache(path: str):

@@ -13,6 +13,9 @@
     RANKFS_HOOK_INFLIGHT_GB 4                      memory read ahead of the loader, GiB
     RANKFS_HOOK_THREADS     8                      read threads (half of them at most for copies
                                                    out of the page cache in small reads)
+    RANKFS_HOOK_TRACE       (off)                  write the hook's read events to this file, a JSON
+                                                   line each ({pid} is replaced by the process id);
+                                                   read by `python3 -m dev.bench.trace`
     RANKFS_RANK             (torch.distributed)    this process's rank, for a mount of several
                                                    local ranks
 
@@ -59,15 +62,21 @@ def _device(name: str, default: str) -> str:
     raise SettingError(f"{name} must be auto, cpu, cuda or cuda:N, not {value!r}")
 
 
+def _trace_file(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value.replace("{pid}", str(os.getpid())) if value else None
+
+
 class HookSettings:
     """A plain class, not a dataclass: every Python process of the engine imports it at start-up."""
 
-    __slots__ = ("mode", "map_sources", "device", "slab_bytes", "budget_bytes", "threads")
+    __slots__ = ("mode", "map_sources", "device", "slab_bytes", "budget_bytes", "threads", "trace_file")
 
     def __init__(self, mode: str = "on", map_sources: str = "auto", device: str = "auto",
-                 slab_bytes: int = 256 << 20, budget_bytes: int = 4 * GIB, threads: int = 8):
+                 slab_bytes: int = 256 << 20, budget_bytes: int = 4 * GIB, threads: int = 8,
+                 trace_file: str | None = None):
         self.mode, self.map_sources, self.device, self.slab_bytes = mode, map_sources, device, slab_bytes
-        self.budget_bytes, self.threads = budget_bytes, threads
+        self.budget_bytes, self.threads, self.trace_file = budget_bytes, threads, trace_file
 
     @classmethod
     def from_env(cls, mode: str | None = None) -> "HookSettings":
@@ -77,7 +86,8 @@ class HookSettings:
                    device=_device("RANKFS_HOOK_DEVICE", "auto"),
                    slab_bytes=(1 << (slab_mb.bit_length() - 1)) << 20,
                    budget_bytes=int(_number("RANKFS_HOOK_INFLIGHT_GB", "4", float, minimum=1 / 1024) * GIB),
-                   threads=_number("RANKFS_HOOK_THREADS", "8"))
+                   threads=_number("RANKFS_HOOK_THREADS", "8"),
+                   trace_file=_trace_file("RANKFS_HOOK_TRACE"))
 
 
 def rank_override() -> int | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import mmap
 import threading
+import time
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -277,7 +278,11 @@ class StagedFile(RankfsFile):
         if group not in self._demanded:
             self._demanded.add(group)
             self._hook.wake_readers()  # it may be the one that must go beyond the budget
-        placed = (self._futures[group] or self._submit(group)).result()
+        future = self._futures[group] or self._submit(group)
+        waited, began = not future.done(), time.monotonic()
+        placed = future.result()
+        if waited:
+            self._hook.trace.event("wait", path=self.path, group=group, began=began)
         self._handed[group].add(name)
         if len(self._handed[group]) == len(self.groups[group]):  # slabs live exactly as long as their tensors
             self._futures[group] = None
@@ -338,7 +343,8 @@ class StagedFile(RankfsFile):
 
     def _submit(self, group: int) -> Future:
         """Stage a group ahead: the loaders take files in sorted order, each file's groups in order."""
-        return self._hook.executor.submit((self.path, group), self._load, group, cost=self._costs[group],
+        return self._hook.executor.submit((self.path, group), self._load, group, time.monotonic(),
+                                          cost=self._costs[group],
                                           urgent=lambda: self._must_exceed_budget(group))
 
     def _must_exceed_budget(self, group: int) -> bool:
@@ -348,9 +354,11 @@ class StagedFile(RankfsFile):
         return (group in self._demanded and self._hook.consumed_now() is self
                 and sum(f.slabs_alive for f in list(self._hook.holding) if f.path < self.path) <= 1)
 
-    def _load(self, group: int) -> dict[str, tuple[Slab, int]]:
+    def _load(self, group: int, asked: float) -> dict[str, tuple[Slab, int]]:
         """Runs in a hook thread, its cost reserved: stage one group, every free read thread
-        helping. Returns {tensor: (slab, offset in it)}."""
+        helping (`asked`: when it was submitted, for the trace). Returns {tensor: (slab, offset in
+        it)}."""
+        began = time.monotonic()
         staging = self._stagings[group]
         placed: dict[str, tuple[Slab, int]] = {}
         jobs = [(span.source.path, span.begin, span.end - span.begin, functools.partial(self._map_window, span, placed))
@@ -375,6 +383,8 @@ class StagedFile(RankfsFile):
             raise
         if landing is not None:
             landing.filled()
+        self._hook.trace.event("group", path=self.path, group=group, bytes=self._group_spans[group], asked=asked,
+                               began=began, ended=time.monotonic(), thread=threading.current_thread().name)
         return placed
 
     def _allocate(self, size: int, names: list[str]) -> HostLanding | DeviceLanding:

@@ -1,14 +1,20 @@
-"""The daemon's read events, a JSON line each, for diagnosis (`rankfs mount --trace FILE`; read by
-`python3 -m dev.bench.trace`): when each chunk was queued for read-ahead, read, pushed and first
-asked for, and each request the kernel made, with the seconds its answer took. A read or a push
-also says when the event loop asked a worker thread for it, and when the thread began and ended
-it: what waits on threads, on the disk or the kernel, and on the loop. Times are the monotonic
-clock's, which a loader on the same host can share. Every event is recorded on the event-loop
-thread; off, each call returns at once."""
+"""Read events, a JSON line each, for diagnosis (read by `python3 -m dev.bench.trace`).
+
+The daemon's (`rankfs mount --trace FILE`): when each chunk was queued for read-ahead, read,
+pushed and first asked for, and each request the kernel made, with the seconds its answer took. A
+read or a push also says when the event loop asked a worker thread for it, and when the thread
+began and ended it: what waits on threads, on the disk or the kernel, and on the loop.
+
+The hook's (RANKFS_HOOK_TRACE=FILE): when each file was opened, each group staged (asked, began,
+ended, by which read thread), and how long the loader waited for a group it asked for.
+
+Times are the monotonic clock's, which every process on the host shares. Standard library only;
+off, each call returns at once."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 
@@ -22,11 +28,16 @@ def timed(work, *args) -> tuple:
 class Trace:
     def __init__(self, path: str | None = None):
         self._out = open(path, "w", buffering=1 << 20) if path else None
+        self._lock = threading.Lock()  # the hook's threads write events side by side
+
+    @property
+    def on(self) -> bool:
+        return self._out is not None
 
     def file(self, inode: int, path: str):
         """A virtual file laid out: the inode the other events name it by."""
         if self._out is not None:
-            self._write({"event": "file", "inode": inode, "path": path})
+            self.event("file", inode=inode, path=path)
 
     def chunk(self, event: str, chunk, times: tuple[float, float, float] | None = None, **fields):
         """queued, read (demand: a loader waited for it), pushed, first (a loader's first request);
@@ -34,19 +45,33 @@ class Trace:
         and when it ended."""
         if self._out is not None:
             if times is not None:
-                fields.update(zip(("asked", "began", "ended"), (round(t, 6) for t in times)))
-            self._write({"event": event, "inode": chunk.file_id, "offset": chunk.start, "bytes": chunk.length,
-                         "fill": chunk.fill, **fields})
+                fields.update(zip(("asked", "began", "ended"), times))
+            self.event(event, inode=chunk.file_id, offset=chunk.start, bytes=chunk.length, fill=chunk.fill,
+                       **fields)
 
     def request(self, path: str, offset: int, nbytes: int, seconds: float):
         if self._out is not None:
-            self._write({"event": "request", "path": path, "offset": offset, "bytes": nbytes,
-                         "seconds": round(seconds, 6)})
+            self.event("request", path=path, offset=offset, bytes=nbytes, seconds=round(seconds, 6))
 
-    def _write(self, event: dict):
-        self._out.write(json.dumps({"t": round(time.monotonic(), 6), **event}) + "\n")
+    def event(self, event: str, **fields):
+        """One event, stamped now; fields named like times (`asked`, `began`, `ended`) are rounded."""
+        out = self._out
+        if out is None:
+            return
+        for key in ("asked", "began", "ended"):
+            if key in fields:
+                fields[key] = round(fields[key], 6)
+        line = json.dumps({"t": round(time.monotonic(), 6), "event": event, **fields}) + "\n"
+        with self._lock:
+            out.write(line)
+
+    def flush(self):
+        with self._lock:
+            if self._out is not None:
+                self._out.flush()
 
     def close(self):
-        if self._out is not None:
-            self._out.close()
-            self._out = None
+        with self._lock:
+            if self._out is not None:
+                self._out.close()
+                self._out = None

@@ -4,6 +4,7 @@ narrows elsewhere fails loudly through the hook."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 
@@ -15,6 +16,7 @@ import rankfs.loader as loader
 import rankfs.loader.hook as hook_module
 from rankfs.loader import routing
 from conftest import mounted
+from dev.bench import trace as dev_trace
 from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
 from dev.fixtures import deepseek_v4
 from dev.memstate import MIB, cached_bytes, rss_bytes, uncache
@@ -288,6 +290,36 @@ def test_staged_slabs_stay_within_the_budget_or_one_file_larger_than_it(tiny_che
             assert figures["slabs_alive"] == 0 and hook.budget.used == 0
     finally:
         loader.deactivate()
+
+
+@pytest.mark.mount
+def test_the_hook_traces_each_file_it_opens_and_each_group_it_stages(tiny_checkpoint, mount_dir, monkeypatch,
+                                                                    tmp_path):
+    """RANKFS_HOOK_TRACE: an event per file opened, per group staged (asked, began, ended, by a read
+    thread) and per wait of the loader for a group; the benchmark's summary lists every file."""
+    monkeypatch.setenv("RANKFS_HOOK_MAP", "off")
+    monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
+    monkeypatch.setenv("RANKFS_HOOK_TRACE", str(tmp_path / "hook-{pid}.jsonl"))
+    loader.activate("on")
+    try:
+        with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+            load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint,
+                             expert_counts(shard_files(tiny_checkpoint), PROFILE))
+            loader.release("target")
+    finally:
+        loader.deactivate()
+    events = dev_trace.read_events(tmp_path / f"hook-{os.getpid()}.jsonl")
+    opened = {e["path"]: e["groups"] for e in events if e["event"] == "open"}
+    staged = [e for e in events if e["event"] == "group"]
+    assert opened and collections.Counter(e["path"] for e in staged) == opened
+    assert all(e["asked"] <= e["began"] <= e["ended"] <= e["t"] and e["thread"].startswith("rankfs-read")
+               for e in staged)
+    assert all((e["path"], e["group"]) in {(s["path"], s["group"]) for s in staged}
+               for e in events if e["event"] == "wait")
+    assert [e["phase"] for e in events if e["event"] == "release"] == ["target"]
+    summary = dev_trace.summarize_hook(events)
+    assert summary.startswith(f"groups: {len(staged)}, ")
+    assert all(os.path.basename(path) in summary for path in opened)
 
 
 @pytest.mark.mount

@@ -68,6 +68,8 @@ def _weights(args: dict):
 def run_load(args: dict) -> dict:
     import torch
     if args.get("hook"):
+        if args.get("hook_trace"):
+            os.environ["RANKFS_HOOK_TRACE"] = args["hook_trace"]
         import rankfs.loader
         rankfs.loader.activate("on")
     layout = MoELayout(**args["layout"])

@@ -161,10 +161,17 @@ class Bench:
                 continue
             trace = self.traces / f"{self.slug(label, mode, run)}.jsonl" if self.traces else None
             with self.mounted(view, trace) as mnt:
-                runs.append(self.measure(label, kind, args(mnt), mode, files, mnt, run))
+                run_args = args(mnt)
+                hook_trace = trace.with_suffix(".hook.jsonl") if trace and run_args.get("hook") else None
+                if hook_trace:
+                    run_args["hook_trace"] = str(hook_trace)
+                runs.append(self.measure(label, kind, run_args, mode, files, mnt, run))
             if trace is not None and trace.exists():  # complete once unmounted
                 trace.with_suffix(".summary.txt").write_text(
                     dev_trace.summarize(dev_trace.read_events(trace), runs[-1]) + "\n")
+            if hook_trace is not None and hook_trace.exists():
+                hook_trace.with_suffix(".summary.txt").write_text(
+                    dev_trace.summarize_hook(dev_trace.read_events(hook_trace), runs[-1]) + "\n")
         timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
         if not timed:
             return runs[-1]
@@ -366,8 +373,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread group")
     p.add_argument("--trace", action="store_true",
-                   help="trace the daemon of each row through a view (rankfs mount --trace): "
-                        "OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace)")
+                   help="trace the daemon of each row through a view (rankfs mount --trace), and the hook "
+                        "(RANKFS_HOOK_TRACE): OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace)")
     args = p.parse_args(argv)
     # A run stopped by `timeout` or kill unwinds as Ctrl-C does: the row's mount is unmounted on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

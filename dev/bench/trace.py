@@ -1,5 +1,6 @@
-"""What a load through a view waited on, from the daemon's trace (`rankfs mount --trace FILE`) and,
-where given, the benchmark row of that load (its timeline, on the same clock).
+"""What a load through a view waited on, from the daemon's trace (`rankfs mount --trace FILE`) or
+the hook's (RANKFS_HOOK_TRACE=FILE) and, where given, the benchmark row of that load (its timeline,
+on the same clock).
 
     python3 -m dev bench ... --trace            # a trace and its summary per row through a view
     python3 -m dev.bench.trace TRACE [ROW_JSON] [--step SECONDS]
@@ -79,6 +80,67 @@ def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) ->
     return "\n".join(lines)
 
 
+def summarize_hook(events: list[dict], row: dict | None = None, step: float = 0.1) -> str:
+    """The hook's side of a load: how its groups were staged (waiting for a read thread, reading),
+    what the loader waited for, file by file, and a timeline of the reads beside what the loader
+    copied."""
+    groups = [e for e in events if e["event"] == "group"]
+    waits = [e for e in events if e["event"] == "wait"]
+    opens = {e["path"]: e for e in events if e["event"] == "open"}
+    if not groups:
+        return "no group staged"
+    start = row["started"] if row and "started" in row else min(e["began"] for e in events if "began" in e)
+    busy = _union([(e["began"], e["ended"]) for e in groups])
+    staged = sum(e["bytes"] for e in groups)
+    lines = [
+        f"groups: {len(groups)}, {staged / GB:.2f} GB; staged at {staged / busy / GB:.2f} GB/s over the {busy:.2f} s "
+        f"some group was being staged; waited for a read thread {_quantiles([e['began'] - e['asked'] for e in groups])} s, "
+        f"staged in {_quantiles([e['ended'] - e['began'] for e in groups])} s",
+        f"the loader waited for a group {len(waits)} times, {sum(e['t'] - e['began'] for e in waits):.2f} s in all: "
+        f"{_quantiles([e['t'] - e['began'] for e in waits])} s",
+        f"\n{'file':<40} {'opened':>7} {'took':>6} {'first read':>10} {'last staged':>11} {'GB':>5} {'waited':>7}",
+    ]
+    by_file = collections.defaultdict(list)
+    for e in groups:
+        by_file[e["path"]].append(e)
+    for path in sorted(set(by_file) | set(opens)):
+        staged_here, opened = by_file.get(path, []), opens.get(path)
+        first = min((e["began"] for e in staged_here), default=None)
+        last = max((e["ended"] for e in staged_here), default=None)
+        waited = sum(e["t"] - e["began"] for e in waits if e["path"] == path)
+        at = lambda t: "-" if t is None else f"{t - start:.3f}"  # noqa: E731
+        lines.append(f"{path.rsplit('/', 1)[-1][-40:]:<40} {at(opened and opened['began']):>7} "
+                     f"{(opened['t'] - opened['began']) if opened else 0:6.3f} {at(first):>10} {at(last):>11} "
+                     f"{sum(e['bytes'] for e in staged_here) / GB:5.2f} {waited:7.3f}")
+    timeline = row.get("timeline", []) if row else []
+    end = max(e["t"] for e in events)
+    lines.append(f"\n{'t s':>6} {'loader GB':>9} {'staged MB':>9} {'groups':>6} {'files':>5} {'waiting':>7}")
+    for i in range(int((end - start) // step) + 1):
+        lo, hi = start + i * step, start + (i + 1) * step
+        running = [e for e in groups if e["began"] < hi and e["ended"] > lo]
+        mb = sum(e["bytes"] * _overlap(e["began"], e["ended"], lo, hi) / max(e["ended"] - e["began"], 1e-9)
+                 for e in running) / 2**20
+        landed = max([b for t, b in timeline if t <= (i + 1) * step] or [0]) / GB
+        waiting = sum(_overlap(e["began"], e["t"], lo, hi) for e in waits) / step
+        lines.append(f"{i * step:6.1f} {landed:9.2f} {mb:9.0f} {len(running):6d} "
+                     f"{len({e['path'] for e in running}):5d} {waiting:7.1f}")
+    return "\n".join(lines)
+
+
+def _overlap(begin: float, end: float, lo: float, hi: float) -> float:
+    return max(0.0, min(end, hi) - max(begin, lo))
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """The seconds covered by at least one of the spans."""
+    covered, reach = 0.0, float("-inf")
+    for begin, end in sorted(spans):
+        if end > reach:
+            covered += end - max(begin, reach)
+            reach = end
+    return covered
+
+
 def read_events(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -86,12 +148,18 @@ def read_events(path) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m dev.bench.trace", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", help="the daemon's trace (rankfs mount --trace FILE)")
+    p.add_argument("trace", help="the daemon's trace (rankfs mount --trace FILE) or the hook's (RANKFS_HOOK_TRACE)")
     p.add_argument("row", nargs="?", help="the load's benchmark row, JSON (a line of rows.jsonl)")
-    p.add_argument("--step", type=float, default=0.5, help="seconds per line of the timeline (default: 0.5)")
+    p.add_argument("--step", type=float,
+                   help="seconds per line of the timeline (default: 0.5 for the daemon's, 0.1 for the hook's)")
     args = p.parse_args(argv)
     row = json.loads(open(args.row).read()) if args.row else None
-    print(summarize(read_events(args.trace), row, args.step))
+    events = read_events(args.trace)
+    hook = any(e["event"] == "group" for e in events)
+    if hook:
+        print(summarize_hook(events, row, args.step or 0.1))
+    else:
+        print(summarize(events, row, args.step or 0.5))
     return 0
 
 
