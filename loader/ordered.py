@@ -51,8 +51,12 @@ class _Job:
 
 
 class OrderedExecutor:
-    def __init__(self, threads: int, name: str, budget: Budget | None = None):
+    def __init__(self, threads: int, name: str, budget: Budget | None = None,
+                 hold: Callable[[tuple], bool] | None = None):
+        """`hold(key)`: whether a job with a cost and that key waits for now, however much room the
+        budget has and urgent or not (`wake` once that may have changed)."""
         self._queue: list[_Job] = []  # sorted, lowest key first
+        self._hold = hold
         self._chores: list[Callable[[], None]] = []  # run when no job can
         self._sequence = itertools.count()
         self._ready = threading.Condition()
@@ -148,11 +152,11 @@ class OrderedExecutor:
 
     def _admissible(self, sooner_than: tuple | None = None) -> _Job | None:
         """The next job to run, its cost reserved: the first costless one, or the first costly one
-        if the budget has room for it or it is urgent (called holding the lock). Costly jobs after
-        the first held back wait too: admission follows the loaders' order. For a thread inside
-        run_all (`sooner_than`, its group's key; () where it may start none): parts of groups'
-        reads, and other jobs only with a key before its group's (a later one would hold its
-        group's end back)."""
+        if it is not held and the budget has room for it or it is urgent (called holding the
+        lock). Costly jobs after the first held back wait too: admission follows the loaders'
+        order. For a thread inside run_all (`sooner_than`, its group's key; () where it may start
+        none): parts of groups' reads, and other jobs only with a key before its group's (a later
+        one would hold its group's end back)."""
         held_back, i = None, 0
         if sooner_than is None:
             self._held_back = False
@@ -166,14 +170,17 @@ class OrderedExecutor:
                 continue
             if job.cpu and self._cpu_running >= self.cpu_threads:
                 continue
-            if job.cost and self._budget is not None:
+            if job.cost:
                 if held_back is not None:
                     continue
-                if not self._budget.fits(job.cost) and not (job.urgent is not None and job.urgent()):
+                over_budget = self._budget is not None and not self._budget.fits(job.cost)
+                if (self._hold is not None and self._hold(job.key)
+                        or over_budget and not (job.urgent is not None and job.urgent())):
                     held_back = job
                     self._held_back = True
                     continue
-                self._budget.reserve(job.cost)
+                if self._budget is not None:
+                    self._budget.reserve(job.cost)
             self._cpu_running += job.cpu
             return self._queue.pop(i - 1)
         return None

@@ -127,6 +127,28 @@ def test_reads_ahead_are_admitted_in_order_as_the_budget_has_room_or_when_urgent
     pool.shutdown()
 
 
+def test_reads_ahead_wait_while_they_are_held_urgent_or_not():
+    """The hook holds reads of a file while a file before it is being opened (the loader will wait
+    for that one first, even where it asks for this one now): held, a costly job waits with every
+    costly one after it, costless ones run; woken once the hold is gone."""
+    opening = {"a"}
+    pool = OrderedExecutor(2, "test", Budget(8), hold=lambda key: any(path < key[0] for path in opening))
+    ran, urgent = [], threading.Event()
+    later = [pool.submit(("b", g), ran.append, ("b", g), cost=1, urgent=urgent.is_set) for g in range(2)]
+    pool.submit(("c", 0), ran.append, ("c", 0)).result(timeout=10)
+    assert ran == [("c", 0)] and not any(f.done() for f in later)
+    urgent.set()  # the loader waits for the second: held still
+    pool.wake()
+    pool.submit(("c", 1), ran.append, ("c", 1)).result(timeout=10)
+    assert not any(f.done() for f in later)
+    opening.clear()
+    pool.wake()
+    for future in later:
+        future.result(timeout=10)
+    assert ran[2:] == [("b", 0), ("b", 1)]
+    pool.shutdown()
+
+
 def test_chores_run_when_a_thread_has_nothing_else_and_by_shutdown():
     pool = OrderedExecutor(1, "test")
     gate, ran, chore_ran = threading.Event(), [], threading.Event()
