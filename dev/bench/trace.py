@@ -92,9 +92,10 @@ def summarize_hook(events: list[dict], row: dict | None = None, step: float = 0.
     start = row["started"] if row and "started" in row else min(e["began"] for e in events if "began" in e)
     busy = _union([(e["began"], e["ended"]) for e in groups])
     staged = sum(e["bytes"] for e in groups)
+    waited_for_thread = _quantiles([e["began"] - e["asked"] for e in groups])
     lines = [
         f"groups: {len(groups)}, {staged / GB:.2f} GB; staged at {staged / busy / GB:.2f} GB/s over the {busy:.2f} s "
-        f"some group was being staged; waited for a read thread {_quantiles([e['began'] - e['asked'] for e in groups])} s, "
+        f"some group was being staged; waited for a read thread {waited_for_thread} s, "
         f"staged in {_quantiles([e['ended'] - e['began'] for e in groups])} s",
         f"the loader waited for a group {len(waits)} times, {sum(e['t'] - e['began'] for e in waits):.2f} s in all: "
         f"{_quantiles([e['t'] - e['began'] for e in waits])} s",
