@@ -383,7 +383,7 @@ def main(argv=None) -> int:
     # The hook's modules are imported at a load's first rankfs open, inside the clock: compiled ahead, as
     # pip compiles an installed rankfs, not from source in each row's process (PYTHONDONTWRITEBYTECODE,
     # or a tree without __pycache__: 55 ms of the first open on the 2-core VM).
-    compileall.compile_dir(rankfs.__path__[0], quiet=1)
+    compileall.compile_dir(rankfs.__path__[0], quiet=1, rx=re.compile(r"/\."))  # not .device/ and the like
     size = args.size_gb or (24.0 if args.device != "cpu" else 8.0)
     workdir = Path(args.workdir)
     checkpoint = workdir / f"checkpoint-{size:g}gb"
