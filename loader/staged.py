@@ -279,10 +279,12 @@ class StagedFile(RankfsFile):
             self._demanded.add(group)
             self._hook.wake_readers()  # it may be the one that must go beyond the budget
         future = self._futures[group] or self._submit(group)
-        waited, began = not future.done(), time.monotonic()
-        placed = future.result()
-        if waited:
+        if self._hook.trace.on and not future.done():  # traced: nothing more on each hand-out otherwise
+            began = time.monotonic()
+            placed = future.result()
             self._hook.trace.event("wait", path=self.path, group=group, began=began)
+        else:
+            placed = future.result()
         self._handed[group].add(name)
         if len(self._handed[group]) == len(self.groups[group]):  # slabs live exactly as long as their tensors
             self._futures[group] = None
