@@ -2,7 +2,7 @@
 idle ones included), summed per thread group (the hook's readers, the loader's copy and open
 threads, the main thread) into the frames they sat in most.
 
-    python3 -m dev bench ... --profile        # a py-spy record and a summary per load row
+    python3 -m dev bench ... --profile [MODE] # a py-spy record and a summary per load row
     python3 -m dev.bench.profile RAW [N]      # the summary of a record (py-spy's raw format)
 """
 
@@ -17,13 +17,19 @@ from pathlib import Path
 FRAME_DEPTH = 3  # innermost frames shown per sample: enough to tell a wait from a read
 
 
-def command(record: Path) -> list[str] | None:
-    """The py-spy prefix that records a command into `record`; None without py-spy."""
+# What a record samples: every thread, waits included; only the threads holding the GIL (who makes
+# the others wait); or every thread with its C frames (numpy's copies, the kernel calls), which
+# needs the process paused at each sample.
+MODES = {"idle": ["--idle", "--nonblocking"], "gil": ["--gil", "--nonblocking"], "native": ["--idle", "--native"]}
+
+
+def command(record: Path, mode: str = "idle") -> list[str] | None:
+    """The py-spy prefix that records a command into `record` (a mode of MODES); None without py-spy."""
     spy = shutil.which("py-spy")
     if spy is None:
         return None
-    return [spy, "record", "--rate", "100", "--threads", "--idle", "--nonblocking", "--format", "raw",
-            "--output", str(record), "--"]
+    return [spy, "record", "--rate", "100", "--threads", *MODES[mode], "--format", "raw", "--output", str(record),
+            "--"]
 
 
 def _group(thread: str) -> str:

@@ -3,7 +3,7 @@ the hook) against the stock engine path, the peers, the engine's own ceiling and
 storage, on the same data.
 
     python3 -m dev bench [--size-gb 8] [--cases ep2,ep1-sliced] [--modes cold,warm] [--device cpu|cuda]
-                         [--peers instanttensor,fastsafetensors,runai] [--out DIR] [--repeat N] [--profile]
+                         [--peers instanttensor,fastsafetensors,runai] [--out DIR] [--repeat N] [--profile [MODE]]
                          [--trace]
 
 Modes: `cold` drops the page cache before each path (needs root); `warm` reads the sources into it
@@ -91,9 +91,9 @@ def warm(files):
 PATH_TIMEOUT = 300  # seconds one path may take
 
 
-def run_path(kind: str, args: dict, record: Path | None = None) -> dict:
+def run_path(kind: str, args: dict, record: Path | None = None, profile_mode: str = "idle") -> dict:
     """Run one path in a process of its own; with `record`, under py-spy (rankfs' dev.bench.profile)."""
-    prefix = (profile.command(record) or []) if record is not None else []
+    prefix = (profile.command(record, profile_mode) or []) if record is not None else []
     try:
         result = subprocess.run([*prefix, sys.executable, "-m", "dev.bench.paths", kind], input=json.dumps(args),
                                 cwd=ROOT, capture_output=True, text=True, timeout=PATH_TIMEOUT)
@@ -144,10 +144,10 @@ def check_bitwise(rows: list[dict]):
 class Bench:
     def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
                  journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = (), repeat: int = 1,
-                 traces: Path | None = None):
+                 traces: Path | None = None, profile_mode: str = "idle"):
         self.checkpoint, self.workdir, self.device, self.peers, self.log = checkpoint, workdir, device, peers, log
         self.paths, self.journal, self.profiles, self.mount_args = paths, journal, profiles, mount_args
-        self.repeat, self.traces = repeat, traces
+        self.repeat, self.traces, self.profile_mode = repeat, traces, profile_mode
         self.case_name = ""
 
     def row(self, label: str, kind: str, args, mode: str, files: list[str], view: RankSpec | None = None) -> dict:
@@ -193,7 +193,7 @@ class Bench:
             record = self.profiles / f"{self.slug(label, mode, run)}.txt"
         daemon = contract.read_status(str(mountpoint))["pid"] if mountpoint is not None else None
         before, daemon_cpu = meminfo(), cpu_seconds(daemon) if daemon else 0.0
-        result = run_path(kind, args, record)
+        result = run_path(kind, args, record, self.profile_mode)
         after = meminfo()
         if record is not None and record.exists():
             record.with_suffix(".summary.txt").write_text(profile.summarize(record) + "\n")
@@ -372,8 +372,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run each row N times, each in a fresh process (and mount); the median run "
                         "(of an even N, the faster middle one) is reported, with every run's seconds (default: 1)")
-    p.add_argument("--profile", action="store_true",
-                   help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread group")
+    p.add_argument("--profile", nargs="?", const="idle", choices=profile.MODES, metavar="MODE",
+                   help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread "
+                        "group; MODE: idle (every thread, the default), gil (the threads holding the GIL), native "
+                        "(with C frames; pauses the process at each sample)")
     p.add_argument("--trace", action="store_true",
                    help="trace the daemon of each row through a view (rankfs mount --trace), and the hook "
                         "(RANKFS_HOOK_TRACE): OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace)")
@@ -410,7 +412,7 @@ def main(argv=None) -> int:
                 folder.mkdir(exist_ok=True)
         bench = Bench(source, workdir, args.device, [p for p in args.peers.split(",") if p],
                       set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl",
-                      profiles, tuple(args.mount_args.split()), args.repeat, traces)
+                      profiles, tuple(args.mount_args.split()), args.repeat, traces, args.profile or "idle")
         try:
             results += [bench.case(name, mode_group) for name in args.cases.split(",")]
         finally:
