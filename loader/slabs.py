@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import mmap
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -27,7 +26,8 @@ from typing import Callable, Protocol
 import torch
 
 from rankfs.loader.budget import Budget
-from rankfs.reader.io import MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, OpenFile, madvise, map_pages, unmap_pages
+from rankfs.reader.io import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, OpenFile, anonymous_map, madvise, map_pages,
+                              unmap_pages)
 
 log = logging.getLogger("rankfs.hook")
 
@@ -53,14 +53,13 @@ def host_view(memory: memoryview, died: Callable[[], None]) -> torch.Tensor:
 
 
 class HostBuffer:
-    """An anonymous map in huge pages (a fault per 2 MiB, not per 4 KiB), page-locked for DMA once
+    """Anonymous memory in huge pages (rankfs.reader.io.anonymous_map), page-locked for DMA once
     filled (`pin`): registering it empty would fault it in on one thread."""
 
     reusable = True
 
     def __init__(self, nbytes: int):
-        self.map = mmap.mmap(-1, max(nbytes, 1))
-        self.map.madvise(mmap.MADV_HUGEPAGE)
+        self.map = anonymous_map(max(nbytes, 1))
         self.pinned_at: int | None = None
 
     def view(self, nbytes: int, died: Callable[[], None]) -> torch.Tensor:

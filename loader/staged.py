@@ -25,7 +25,6 @@ is larger than the budget."""
 from __future__ import annotations
 
 import functools
-import mmap
 import threading
 import time
 from concurrent.futures import Future
@@ -38,7 +37,7 @@ from rankfs.loader.device import PIECE_BYTES, DeviceSlabs
 from rankfs.loader.files import RankfsFile
 from rankfs.loader.slabs import Slab
 from rankfs.plan.spec import Rows
-from rankfs.reader.io import PAGE, OpenFile, align_up, covering_pages
+from rankfs.reader.io import PAGE, OpenFile, align_up, anonymous_map, covering_pages
 
 ROWS_BYTES = 8 << 20  # whole rows of a slice read at once
 RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small enough to spread over threads
@@ -208,7 +207,7 @@ def _batches(reads: list, landing) -> list:
 def _cpu_work(reads: list) -> bool:
     """Whether a group's slab is filled by copies out of the page cache, `reads` (source, offset,
     bytes, callable) of a few MB on average (sliced experts, their sources cached): work for the
-    CPU alone, which half the read threads do as fast as all of them (rankfs.loader.ordered). Read
+    CPU alone, on as many read threads as half the cores (rankfs.loader.ordered). Read
     from the disk, every thread keeps a read in flight. One cachestat per source, over all of the
     group's reads from it."""
     if not reads or sum(nbytes for _, _, nbytes, _ in reads) >= len(reads) * SMALL_READ_BYTES:
@@ -232,7 +231,7 @@ def _rows_buffer(nbytes: int) -> memoryview:
     zero-filled page fault per page of it)."""
     buffer = getattr(_thread, "rows", None)
     if buffer is None or len(buffer) < nbytes:
-        buffer = _thread.rows = mmap.mmap(-1, nbytes)
+        buffer = _thread.rows = anonymous_map(nbytes)
     return memoryview(buffer)
 
 

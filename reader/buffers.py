@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 from typing import Callable
 
-from rankfs.reader.io import PAGE
+from rankfs.reader.io import PAGE, anonymous_map
 
 
 class Backing:
@@ -61,7 +61,7 @@ class BufferPool:
         """A new buffer (in a worker thread: its pages fault in during the read, without the GIL;
         with MAP_POPULATE CPython would fault them in holding it)."""
         self.created += 1
-        return mmap.mmap(-1, self.size_class(nbytes))
+        return anonymous_map(self.size_class(nbytes))
 
     def give_back(self, buffer: mmap.mmap, used_bytes: int):
         """A buffer no one uses any more: kept for reuse while it fits."""

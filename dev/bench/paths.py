@@ -10,7 +10,6 @@ push (the same ranges pushed into the page cache of FUSE files: dev.bench.push_l
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import sys
 import threading
@@ -22,6 +21,7 @@ from dev.bench.engine_like import (MoELayout, Progress, allocate, copy_weights, 
                                    weights_digest)
 from dev.memstate import cpu_seconds, vm_hwm
 from rankfs.plan.profiles import BY_NAME
+from rankfs.reader.io import anonymous_map
 
 PROFILE = BY_NAME["deepseek-v4"]
 
@@ -123,7 +123,7 @@ def run_raw(args: dict) -> dict:
             start = offset - offset % 4096 if direct else offset
             end = -(-(offset + length) // 4096) * 4096 if direct else offset + length
             if not hasattr(local, "map"):
-                local.map = mmap.mmap(-1, piece + 2 * 4096)
+                local.map = anonymous_map(piece + 2 * 4096)
                 if h2d:
                     local.host = torch.frombuffer(local.map, dtype=torch.uint8)
                     torch.cuda.cudart().cudaHostRegister(local.host.data_ptr(), len(local.map), 0)

@@ -12,12 +12,11 @@ use as load formats, each feeding the same engine-like copies (engine_like.copy_
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 from safetensors import safe_open
 
 from dev.bench.engine_like import iterate
+from rankfs.reader.io import anonymous_map
 
 
 def stock(files: list[str]):
@@ -33,7 +32,7 @@ class Staged:
             with safe_open(path, framework="pt") as f:
                 entries += [(name, f.get_tensor(name)) for name in sorted(f.keys()) if name in names]
         total = sum(t.numel() * t.element_size() for _, t in entries)
-        self._map = mmap.mmap(-1, max(total, 1))
+        self._map = anonymous_map(max(total, 1))
         buffer = torch.frombuffer(self._map, dtype=torch.uint8)
         if pin:
             error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 0)
