@@ -23,7 +23,7 @@ from rankfs.loader.budget import Budget
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
 from rankfs.loader.device import DeviceSlabs, loading_device
 from rankfs.loader.mapped import MappedFile
-from rankfs.loader.ordered import OrderedExecutor
+from rankfs.loader.ordered import OrderedExecutor, cpu_work_threads
 from rankfs.loader.settings import HookSettings, rank_override
 from rankfs.loader.slabs import SlabPool
 from rankfs.loader.staged import StagedFile
@@ -118,7 +118,8 @@ class Hook:
                 self.map_executor = self.map_executor or OrderedExecutor(MAP_READERS, "rankfs-map", self.budget)
             elif self.executor is None:
                 self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget,
-                                                hold=self._earlier_file_opening)
+                                                hold=self._earlier_file_opening,
+                                                cpu_threads=cpu_work_threads(self.settings.threads))
                 if self.on_device is not None:
                     self.on_device.prepare_bounces(self.settings.threads)
         return MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)

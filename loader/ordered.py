@@ -7,16 +7,18 @@ group read ahead) is admitted, its cost reserved, only in key order and only whe
 room, unless it is urgent (the loader waits for it, in the file it consumes now). So a thread never
 waits for the budget, and what waits for it is what the loader needs last.
 
-Parts that are CPU work (copies out of the page cache in pieces of a few MB) run on half the
-threads at most: each takes the GIL between its calls, and the loader's loop, which hands out and
-narrows every tensor, waits behind each thread that wants it. Reads from the disk keep every thread
-(a read in flight each). Measured in docs/benchmark.md, eighteenth session.
+Parts that are CPU work (copies out of the page cache in pieces of a few MB) run on as many
+threads as half the cores, and half the threads at least (`cpu_work_threads`): each takes the GIL
+between its calls, and where cores are few the loader's loop, which hands out and narrows every
+tensor, waits behind each thread that wants it. Reads from the disk keep every thread (a read in
+flight each). Measured in docs/benchmark.md, eighteenth and twenty-eighth sessions.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import threading
 from concurrent.futures import Future
 from typing import Callable
@@ -34,7 +36,7 @@ class _Job:
         self.key, self.sequence, self.future, self.fn, self.args = key, sequence, future, fn, args
         self.cost, self.urgent = cost, urgent
         self.part = part  # a part of a group's reads (run_all), which any thread may run
-        self.cpu = cpu  # a part that is CPU work: on half the threads at most
+        self.cpu = cpu  # a part that is CPU work: on `cpu_threads` at most
 
     def __lt__(self, other):
         return (self.key, self.sequence) < (other.key, other.sequence)
@@ -50,11 +52,20 @@ class _Job:
         return True
 
 
+def cpu_work_threads(threads: int) -> int:
+    """How many of `threads` may run CPU-work parts at once: half the cores, the rest left to the
+    loader's threads, and half the threads at least. On the H200 host (16 cores) all eight staged a
+    warm sliced load at 15.4 GB/s, four at 11.8; on the 2-core VM four, where more only took the
+    GIL from the loader's loop."""
+    return max(1, threads // 2, min(threads, len(os.sched_getaffinity(0)) // 2))
+
+
 class OrderedExecutor:
     def __init__(self, threads: int, name: str, budget: Budget | None = None,
-                 hold: Callable[[tuple], bool] | None = None):
+                 hold: Callable[[tuple], bool] | None = None, cpu_threads: int | None = None):
         """`hold(key)`: whether a job with a cost and that key waits for now, however much room the
-        budget has and urgent or not (`wake` once that may have changed)."""
+        budget has and urgent or not (`wake` once that may have changed); `cpu_threads`: how many
+        may run CPU-work parts at once (half of them by default)."""
         self._queue: list[_Job] = []  # sorted, lowest key first
         self._hold = hold
         self._chores: list[Callable[[], None]] = []  # run when no job can
@@ -63,7 +74,7 @@ class OrderedExecutor:
         self._closed = False
         self._held_back = False  # the last look at the queue left a costly job waiting for room
         self._budget = budget
-        self.cpu_threads = max(1, threads // 2)  # that may run CPU-work parts at once
+        self.cpu_threads = cpu_threads or max(1, threads // 2)
         self._cpu_running = 0
         if budget is not None:
             budget.on_release(self.wake)
@@ -109,7 +120,7 @@ class OrderedExecutor:
 
     def run_all(self, key: tuple, jobs: list, cpu: bool = False):
         """Run every job (a callable) on this thread and on whichever others are free for them
-        (queued under key + (i,), before any later key), on half the threads at most where they
+        (queued under key + (i,), before any later key), on `cpu_threads` at most where they
         are CPU work (`cpu`); return when all are done, raising the first error. Until they are,
         this thread runs the first part of any group queued, its own or one the loader needs
         sooner, and starts a group the loader needs sooner: threads that took groups read ahead

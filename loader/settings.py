@@ -11,8 +11,9 @@
                                                    engine's parameters are on, when there is CUDA
     RANKFS_HOOK_SLAB_MB     256                    slab size, MiB (rounded down to a power of two)
     RANKFS_HOOK_INFLIGHT_GB 4                      memory read ahead of the loader, GiB
-    RANKFS_HOOK_THREADS     8                      read threads (half of them at most for copies
-                                                   out of the page cache in small reads)
+    RANKFS_HOOK_THREADS     8                      read threads (as many as half the cores, half of
+                                                   them at least, for copies out of the page cache
+                                                   in small reads)
     RANKFS_HOOK_TRACE       (off)                  write the hook's read events to this file, a JSON
                                                    line each ({pid} is replaced by the process id);
                                                    read by `python3 -m dev.bench.trace`

@@ -3,12 +3,13 @@ admit reads ahead in that order only as the budget has room, unless the loader w
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 
 from rankfs.loader.budget import Budget
-from rankfs.loader.ordered import OrderedExecutor
+from rankfs.loader.ordered import OrderedExecutor, cpu_work_threads
 
 
 def test_queued_reads_run_in_the_loaders_order():
@@ -52,6 +53,16 @@ def test_a_group_read_by_every_free_thread_completes_even_when_all_are_busy_with
     with pytest.raises(OSError, match="tensor 'x'"):
         pool.run_all(("f", 9), [lambda: None, fail, lambda: None])
     pool.shutdown()
+
+
+def test_cpu_work_runs_on_half_the_cores_and_on_half_the_threads_at_least():
+    """The hook's read threads that may copy out of the page cache at once: the cores left to the
+    loader's own threads bound them, never below half the threads."""
+    cores = len(os.sched_getaffinity(0))
+    for threads in (1, 2, 8, 64):
+        allowed = cpu_work_threads(threads)
+        assert max(1, threads // 2) <= allowed <= threads
+        assert allowed >= min(threads, cores // 2)
 
 
 def test_parts_that_are_cpu_work_run_on_half_the_threads_at_most():
