@@ -53,7 +53,7 @@ class Hook:
         # for loads into host memory (no CUDA) file by file, where the page cache holds them.
         auto_off = settings.map_sources == "auto" and (cuda or device is not None)
         self.map_sources = "off" if auto_off else settings.map_sources
-        self.budget = Budget(settings.budget_bytes)
+        self.budget = Budget(settings.budget_for(host_slabs=device is None))
         self.slabs = SlabPool(settings.slab_bytes, self.budget, pin=cuda, wanted=self._slabs_wanted,
                               retire=self._retire)
         self.on_device = None if device is None else DeviceSlabs(device, settings.slab_bytes, self.budget,

@@ -2,11 +2,12 @@
 the next slab (never unmapped mid-load while the buffers fit the budget), one that would not fit is
 unmapped, nothing is kept after the load; a window of the page cache views it in place and is
 unmapped with its last tensor; a GPU slab is filled piece by piece through bounce buffers, made
-ahead."""
+ahead; the budget's default follows where slabs are."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -17,10 +18,26 @@ from rankfs.loader.budget import Budget
 import rankfs.loader.device as device_module
 from rankfs.loader.device import DeviceSlabs
 from rankfs.loader.staged import DeviceLanding
+from rankfs.contract import GIB
+from rankfs.loader.settings import HookSettings, SettingError
 from rankfs.loader.slabs import HostBuffer, SlabPool
 from rankfs.reader.io import PAGE, OpenFile
 
 MIB = 1 << 20
+
+
+def test_the_budget_defaults_by_where_slabs_are_and_follows_its_setting(monkeypatch):
+    """Unset, 4 GiB, and in host memory 512 MiB a core up to that (a fresh slab is faulted in by
+    the cores the loader copies on); set, exactly that; a bad value is refused by name."""
+    monkeypatch.delenv("RANKFS_HOOK_INFLIGHT_GB", raising=False)
+    settings = HookSettings.from_env()
+    assert settings.budget_for(host_slabs=False) == 4 * GIB
+    assert settings.budget_for(host_slabs=True) == min(4 * GIB, len(os.sched_getaffinity(0)) * (512 << 20))
+    monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", "1.5")
+    assert HookSettings.from_env().budget_for(host_slabs=True) == int(1.5 * GIB)
+    monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", "lots")
+    with pytest.raises(SettingError, match="RANKFS_HOOK_INFLIGHT_GB"):
+        HookSettings.from_env()
 
 
 def test_dead_slabs_are_released_reused_and_unmapped_beyond_the_budget():
