@@ -54,9 +54,8 @@ class _Job:
 
 def cpu_work_threads(threads: int) -> int:
     """How many of `threads` may run CPU-work parts at once: half the cores, the rest left to the
-    loader's threads, and half the threads at least. On the H200 host (16 cores) all eight staged a
-    warm sliced load at 15.4 GB/s, four at 11.8; on the 2-core VM four, where more only took the
-    GIL from the loader's loop."""
+    loader's threads, and half the threads at least (where cores are few, more only take the GIL
+    from the loader's loop)."""
     return max(1, threads // 2, min(threads, len(os.sched_getaffinity(0)) // 2))
 
 

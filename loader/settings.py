@@ -89,10 +89,8 @@ class HookSettings:
 
     def budget_for(self, host_slabs: bool) -> int:
         """The bytes read ahead (RANKFS_HOOK_INFLIGHT_GB). Unset: 4 GiB, and where slabs are host
-        memory 512 MiB a core up to that. Each slab's first use faults fresh memory in, work for
-        the cores the loader copies on: on the 2-core VM (8 GB, cold) EP2 took 2.8-3.3 s with 1 GiB
-        against 3.7-5.7 s with 4 (CPU 3.5-4.0 s against 5.2-9.4), EP1 sliced 3.4-3.8 against
-        3.9-4.3."""
+        memory 512 MiB a core up to that: each slab's first use faults fresh memory in, work for
+        the cores the loader copies on (figures in docs/benchmark.md, twenty-eighth session)."""
         if self.budget_bytes is not None:
             return self.budget_bytes
         return min(4 * GIB, (512 << 20) * len(os.sched_getaffinity(0))) if host_slabs else 4 * GIB

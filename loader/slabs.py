@@ -26,8 +26,8 @@ from typing import Callable, Protocol
 import torch
 
 from rankfs.loader.budget import Budget
-from rankfs.reader.io import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, OpenFile, anonymous_map, madvise, map_pages,
-                              unmap_pages)
+from rankfs.reader.io import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, OpenFile, anonymous_map, madvise,
+                              map_pages, unmap_pages)
 
 log = logging.getLogger("rankfs.hook")
 

@@ -207,9 +207,9 @@ def _batches(reads: list, landing) -> list:
 def _cpu_work(reads: list) -> bool:
     """Whether a group's slab is filled by copies out of the page cache, `reads` (source, offset,
     bytes, callable) of a few MB on average (sliced experts, their sources cached): work for the
-    CPU alone, on as many read threads as half the cores (rankfs.loader.ordered). Read
-    from the disk, every thread keeps a read in flight. One cachestat per source, over all of the
-    group's reads from it."""
+    CPU alone, on as many read threads as half the cores (rankfs.loader.ordered). Read from the
+    disk, every thread keeps a read in flight. One cachestat per source, over all of the group's
+    reads from it."""
     if not reads or sum(nbytes for _, _, nbytes, _ in reads) >= len(reads) * SMALL_READ_BYTES:
         return False
     spans: dict[OpenFile, tuple[int, int]] = {}

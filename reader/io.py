@@ -84,10 +84,10 @@ def unmap_pages(address: int, length: int):
 
 
 def anonymous_map(nbytes: int) -> mmap.mmap:
-    """Zero-filled memory of this process's own, in huge pages where the kernel gives them (a fault
-    per 2 MiB, and a TLB entry: on the 2-core VM a cold hook load of 4.6 GB took 2.7 s in them,
-    against 4.9-6.7 s in 4 KiB pages). Python's mmap.mmap(-1, n) alone maps shared memory (shmem),
-    which never takes huge pages (5.8-6.2 s)."""
+    """Zero-filled memory of this process's own, in huge pages where the kernel gives them: a fault
+    per 2 MiB and a TLB entry for it, which the copies out of it feel too. Python's
+    mmap.mmap(-1, n) alone maps shared memory (shmem), which never takes huge pages (figures in
+    docs/benchmark.md, twenty-eighth session)."""
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     memory.madvise(mmap.MADV_HUGEPAGE)
     return memory
