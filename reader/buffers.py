@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 from typing import Callable
 
-from rankfs.reader.io import PAGE, anonymous_map
+from rankfs.reader.io import PAGE
 
 
 class Backing:
@@ -59,9 +59,11 @@ class BufferPool:
 
     def new(self, nbytes: int) -> mmap.mmap:
         """A new buffer (in a worker thread: its pages fault in during the read, without the GIL;
-        with MAP_POPULATE CPython would fault them in holding it)."""
+        with MAP_POPULATE CPython would fault them in holding it). Shared memory, not the hook's
+        private huge pages (rankfs.reader.io.anonymous_map): with those the daemon's RSS doubled
+        and the view got no faster (docs/benchmark.md, twenty-eighth session)."""
         self.created += 1
-        return anonymous_map(self.size_class(nbytes))
+        return mmap.mmap(-1, self.size_class(nbytes))
 
     def give_back(self, buffer: mmap.mmap, used_bytes: int):
         """A buffer no one uses any more: kept for reuse while it fits."""
