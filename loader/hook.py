@@ -23,7 +23,7 @@ from rankfs.loader.budget import Budget
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
 from rankfs.loader.device import DeviceSlabs, loading_device
 from rankfs.loader.mapped import MappedFile
-from rankfs.loader.ordered import OrderedExecutor, cpu_work_threads
+from rankfs.loader.ordered import OrderedExecutor
 from rankfs.loader.settings import HookSettings, rank_override
 from rankfs.loader.slabs import SlabPool
 from rankfs.loader.staged import StagedFile
@@ -119,7 +119,7 @@ class Hook:
             elif self.executor is None:
                 self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget,
                                                 hold=self._earlier_file_opening,
-                                                cpu_threads=cpu_work_threads(self.settings.threads))
+                                                cpu_threads=self.settings.cpu_work_threads())
                 if self.on_device is not None:
                     self.on_device.prepare_bounces(self.settings.threads)
         return MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)

@@ -7,18 +7,17 @@ group read ahead) is admitted, its cost reserved, only in key order and only whe
 room, unless it is urgent (the loader waits for it, in the file it consumes now). So a thread never
 waits for the budget, and what waits for it is what the loader needs last.
 
-Parts that are CPU work (copies out of the page cache in pieces of a few MB) run on as many
-threads as half the cores, and half the threads at least (`cpu_work_threads`): each takes the GIL
-between its calls, and where cores are few the loader's loop, which hands out and narrows every
-tensor, waits behind each thread that wants it. Reads from the disk keep every thread (a read in
-flight each). Measured in docs/benchmark.md, eighteenth and twenty-eighth sessions.
+Parts that are CPU work (copies out of the page cache in pieces of a few MB) run on `cpu_threads`
+at most (the hook's: HookSettings.cpu_work_threads): each takes the GIL between its calls, and
+where cores are few the loader's loop, which hands out and narrows every tensor, waits behind each
+thread that wants it. Reads from the disk keep every thread (a read in flight each). Measured in
+docs/benchmark.md, eighteenth and twenty-eighth sessions.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import threading
 from concurrent.futures import Future
 from typing import Callable
@@ -50,13 +49,6 @@ class _Job:
         except BaseException as exc:  # handed to whoever waits on the future
             self.future.set_exception(exc)
         return True
-
-
-def cpu_work_threads(threads: int) -> int:
-    """How many of `threads` may run CPU-work parts at once: half the cores, the rest left to the
-    loader's threads, and half the threads at least (where cores are few, more only take the GIL
-    from the loader's loop)."""
-    return max(1, threads // 2, min(threads, len(os.sched_getaffinity(0)) // 2))
 
 
 class OrderedExecutor:

@@ -64,6 +64,10 @@ def _device(name: str, default: str) -> str:
     raise SettingError(f"{name} must be auto, cpu, cuda or cuda:N, not {value!r}")
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
 def _inflight_bytes(name: str) -> int | None:
     """Where set, GiB as bytes; None where unset (HookSettings.budget_for)."""
     if not os.environ.get(name):
@@ -93,7 +97,13 @@ class HookSettings:
         the cores the loader copies on (figures in docs/benchmark.md, twenty-eighth session)."""
         if self.budget_bytes is not None:
             return self.budget_bytes
-        return min(4 * GIB, (512 << 20) * len(os.sched_getaffinity(0))) if host_slabs else 4 * GIB
+        return min(4 * GIB, (512 << 20) * _cores()) if host_slabs else 4 * GIB
+
+    def cpu_work_threads(self) -> int:
+        """How many read threads may copy out of the page cache at once: half the cores, the rest
+        left to the loader's threads, and half the threads at least (where cores are few, more only
+        take the GIL from the loader's loop)."""
+        return max(1, self.threads // 2, min(self.threads, _cores() // 2))
 
     @classmethod
     def from_env(cls, mode: str | None = None) -> "HookSettings":

@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from rankfs.loader.budget import Budget
-from rankfs.loader.ordered import OrderedExecutor, cpu_work_threads
+from rankfs.loader.ordered import OrderedExecutor
+from rankfs.loader.settings import HookSettings
 
 
 def test_queued_reads_run_in_the_loaders_order():
@@ -60,7 +61,7 @@ def test_cpu_work_runs_on_half_the_cores_and_on_half_the_threads_at_least():
     loader's own threads bound them, never below half the threads."""
     cores = len(os.sched_getaffinity(0))
     for threads in (1, 2, 8, 64):
-        allowed = cpu_work_threads(threads)
+        allowed = HookSettings(threads=threads).cpu_work_threads()
         assert max(1, threads // 2) <= allowed <= threads
         assert allowed >= min(threads, cores // 2)
 
