@@ -99,12 +99,11 @@ def allocate(files: list[str], profile: Profile, layout: MoELayout, counts: dict
 
 def expert_counts(files: list[str], profile: Profile) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                expert = profile.expert(name)
-                if expert is not None:
-                    counts[expert.group] = max(counts.get(expert.group, 0), expert.expert + 1)
+    for path in files:  # the header alone: a safe_open maps the file, and its first read-ahead caches 8 MiB of it
+        for name in read_header(path).tensors:
+            expert = profile.expert(name)
+            if expert is not None:
+                counts[expert.group] = max(counts.get(expert.group, 0), expert.expert + 1)
     return counts
 
 

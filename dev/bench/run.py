@@ -46,11 +46,10 @@ from pathlib import Path
 from dev.bench import profile
 from dev.bench import trace as dev_trace
 from dev.fixtures import deepseek_v4
-from dev.memstate import cpu_seconds, vm_hwm
+from dev.memstate import cached_bytes, cpu_seconds, vm_hwm
 from dev.session import ROOT, mounted
 import rankfs
 from rankfs import contract
-from rankfs.loader.memory import meminfo
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.profiles import BY_NAME
@@ -192,12 +191,16 @@ class Bench:
         if self.profiles is not None and kind == "load":
             record = self.profiles / f"{self.slug(label, mode, run)}.txt"
         daemon = contract.read_status(str(mountpoint))["pid"] if mountpoint is not None else None
-        before, daemon_cpu = meminfo(), cpu_seconds(daemon) if daemon else 0.0
+        sources_cached, daemon_cpu = cached_bytes(files), cpu_seconds(daemon) if daemon else 0.0
         result = run_path(kind, args, record, self.profile_mode)
-        after = meminfo()
+        # Only pages of files the row owns: machine-wide Cached also grows by the libraries a cold
+        # process maps (1.2 GB of torch's on the H200 host).
+        left = cached_bytes(files) - sources_cached
+        if mountpoint is not None:
+            left += cached_bytes(mountpoint.rglob("*.safetensors"))
         if record is not None and record.exists():
             record.with_suffix(".summary.txt").write_text(profile.summarize(record) + "\n")
-        result.update(case=self.case_name, path=label, mode=mode, cached_after=after["Cached"] - before["Cached"],
+        result.update(case=self.case_name, path=label, mode=mode, cached_after=left,
                       through_view=mountpoint is not None)
         if mountpoint is not None:
             status = contract.read_status(str(mountpoint))
