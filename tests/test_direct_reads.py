@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -44,6 +45,21 @@ def test_runs_keep_their_place_within_a_page_and_do_not_overlap(source):
     assert [offset for *_, offset in windows] == [100, 9000, 80000, 1 << 20]  # the slab in file order
     assert offsets["b"] == offsets["a"] + 5000 and offsets["rows"] % PAGE == 0
     assert size <= sum(n for *_, n in blocks) + 12345 + 2 * PAGE * 5
+
+
+def test_a_run_larger_than_a_read_is_read_in_pieces_cut_at_pages_by_several_threads(source):
+    opened, data = source
+    if opened.direct_fd is None:
+        pytest.skip("this filesystem has no direct I/O")
+    (run,), _, size = lay_out([("big", opened, 12345, (3 << 20) + 777)], [])
+    pieces = run.pieces(1 << 20)
+    assert [p.length for p in pieces] == [(1 << 20) - 12345 % PAGE, 1 << 20, 1 << 20, 12345 % PAGE + 777]
+    assert all(p.offset % PAGE == 0 for p in pieces[1:]) and all(p.at % PAGE == p.offset % PAGE for p in pieces)
+    buffer = memoryview(mmap.mmap(-1, size))
+    with ThreadPoolExecutor(len(pieces)) as pool:  # at once: a direct read of one fills no page of the next
+        done = list(pool.map(lambda p: opened.read_into(buffer, p.at, p.offset, p.length, "source"), pieces))
+    assert done == [p.length for p in pieces]
+    assert bytes(buffer[run.at:run.at + run.length]) == data[run.offset:run.offset + run.length]
 
 
 def cached_pages(opened: OpenFile) -> int:
