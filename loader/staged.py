@@ -63,8 +63,9 @@ class Run(NamedTuple):
     def pieces(self, nbytes: int = RUN_BYTES) -> list["Run"]:
         """The run as reads of nbytes at most, cut at pages of the file (a direct read of one
         piece fills none of the next one's pages). One thread read a tensor larger than a read
-        alone, and its group, and the loader, waited for it: a 160 MiB embedding on the 2-core VM
-        took 0.15 s against 0.03 s for each read of 16 MiB beside it; DeepSeek V3's is 1.85 GB."""
+        alone, and its group, and the loader, waited for it: a 160 MiB embedding on the 2-core
+        VM took 0.15 s against 0.03-0.07 s for each read of 16 MiB beside it (DeepSeek V3's
+        embedding is 1.85 GB)."""
         end = self.offset + self.length
         cuts = [self.offset, *range(align_down(self.offset) + nbytes, end, nbytes), end]
         return [self._replace(offset=a, length=b - a, at=self.at + a - self.offset) for a, b in zip(cuts, cuts[1:])]
