@@ -110,8 +110,9 @@ def parser():
     g.add_argument("--readahead-mb", type=_count, default=16, metavar="MIB",
                    help="the mount's kernel readahead, in MiB (default: 16)")
     _switch(g, "--direct-io",
-            help="read the sources with O_DIRECT into buffers (default: from maps of the sources, "
-                 "whose page cache is dropped once served)")
+            help="read every chunk of the sources into buffers, none from maps of them (default: "
+                 "from maps where the page cache holds the chunk, read direct (O_DIRECT) into a "
+                 "buffer where it does not; the sources' page cache is dropped once served)")
     _switch(g, "--no-push", dest="push", action="store_false",
             help="answer every read on the FUSE thread instead of pushing read-ahead into the page "
                  "cache from threads of its own (default: push; this is for comparison)")

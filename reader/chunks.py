@@ -89,10 +89,9 @@ class Chunk:
         start, end = inner_pages(self.start, self.end)
         return (start + PAGE if self.signal else start), end
 
-    def read_span(self, direct_io: bool) -> tuple[int, int]:
-        """[begin, end) in its source of one read of it: O_DIRECT widens it to whole pages."""
-        begin, end = self.source_offset, self.source_offset + self.length
-        return covering_pages(begin, end) if direct_io else (begin, end)
+    def read_span(self) -> tuple[int, int]:
+        """[begin, end) in its source of one read of it: whole pages, which a direct read fills."""
+        return covering_pages(self.source_offset, self.source_offset + self.length)
 
 
 def listing_pages(header_bytes: int, tensor_starts) -> list[int]:

@@ -50,7 +50,6 @@ __all__ = ["BackingError", "ReadEngine", "DEMAND_SLACK"]
 class ReadEngine:
     def __init__(self, sources: tuple[Source, ...], budget_bytes: int, workers: int = 8,
                  direct_io: bool = False, trace: Trace | None = None):
-        self.direct_io = direct_io
         self.stats = Stats()
         self.trace = trace or Trace()
         self.views: dict[str, ViewStream] = {}
@@ -62,7 +61,7 @@ class ReadEngine:
         # reads of whole chunks, more of smaller ones (a sliced expert's rows), which a count of
         # reads held to a few MB in flight, most of each read's time spent in hops.
         self._ahead_bytes = Budget(workers * CHUNK_BYTES)
-        self.held = Holdings(budget_bytes, self._reader, direct_io, self.stats)
+        self.held = Holdings(budget_bytes, self._reader, self.stats)
         self.budget = self.held.budget
         self._nursery: trio.Nursery | None = None
         self._pushable_send, self.pushable = trio.open_memory_channel(math.inf)
@@ -364,6 +363,6 @@ class ReadEngine:
             if mapped is not None:
                 return None, memoryview(mapped)
         if buffer is None:
-            begin, end = chunk.read_span(self.direct_io)
+            begin, end = chunk.read_span()
             buffer = self.held.pool.new(end - begin)
         return buffer, self._reader.read_into(chunk, buffer)

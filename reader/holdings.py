@@ -27,13 +27,12 @@ PASSED_EDGE_BYTES = 16 << 20
 
 
 class Holdings:
-    def __init__(self, budget_bytes: int, reader: SourceReader, direct_io: bool, stats: Stats):
+    def __init__(self, budget_bytes: int, reader: SourceReader, stats: Stats):
         self.budget = Budget(budget_bytes)
         self.pool = BufferPool(budget_bytes)
         self.stats = stats
         self.nursery: trio.Nursery | None = None  # the engine's, for the uncaching task
         self._reader = reader
-        self._direct_io = direct_io
         self.loaded: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # by load time
         self.pushed: dict[int, Chunk] = {}  # those of them whose memory went after a push
         self.passed: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # edges kept, unbudgeted
@@ -42,7 +41,7 @@ class Holdings:
 
     def cost(self, chunk: Chunk) -> int:
         """What a chunk in memory counts against the budget: its buffer's size."""
-        begin, end = chunk.read_span(self._direct_io)
+        begin, end = chunk.read_span()
         return self.pool.size_class(end - begin)
 
     def add(self, chunk: Chunk):

@@ -1,7 +1,12 @@
 """Reading a chunk's bytes from its source shard, in a worker thread: a resident range of the
-source's map when the chunk lies on disk as served (one copy on its way out, not two), otherwise one
-large read into a buffer with the fill written over the other ranks' columns. A source that is no
-longer the file that was planned is refused, by name."""
+source's map when the chunk lies on disk as served and the page cache holds it (one copy on its way
+out, not two), otherwise one large read into a buffer, direct (O_DIRECT) where the page cache does
+not hold it, with the fill written over the other ranks' columns. A source that is no longer the
+file that was planned is refused, by name.
+
+A cold chunk read direct costs the daemon less CPU than one faulted in through the map: on the
+2-core VM (8 GB, EP2, cold, the view) 3.7-4.2 CPU-seconds against 5.0-5.6, the load 6.6-7.8 s
+against 6.7-8.5 (docs/benchmark.md, twenty-ninth session)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from rankfs.contract import Source
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
-from rankfs.reader.io import open_for_exact_reads, page_cache_holds, read_exactly
+from rankfs.reader.io import PAGE, OpenFile, page_cache_holds
 from rankfs.reader.mapped import MappedSources
 
 
@@ -25,28 +30,36 @@ class BackingError(OSError):
 
 class SourceReader:
     def __init__(self, sources: tuple[Source, ...], direct_io: bool):
+        """direct_io: every chunk read into a buffer, none served from a map (`--direct-io`)."""
         self.sources = sources
         self.direct_io = direct_io
-        self._fds: dict[int, int] = {}
-        self._fds_lock = threading.Lock()
+        self._files: dict[int, OpenFile] = {}
+        self._files_lock = threading.Lock()
         self.maps = MappedSources([s.path for s in sources], self.fd)
 
+    def _file(self, index: int) -> OpenFile:
+        with self._files_lock:
+            if index not in self._files:
+                self._files[index] = OpenFile(self.sources[index].path)
+            return self._files[index]
+
     def fd(self, index: int) -> int:
-        with self._fds_lock:
-            if index not in self._fds:
-                flags = os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0)
-                self._fds[index] = open_for_exact_reads(self.sources[index].path, flags)
-            return self._fds[index]
+        """The source opened for buffered reads, without readahead (maps, reads of cached bytes)."""
+        return self._file(index).fd
 
     def close(self):
-        with self._fds_lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        with self._files_lock:
+            for opened in self._files.values():
+                opened.close()
+            self._files.clear()
 
     def maps_chunk(self, chunk: Chunk) -> bool:
-        """Whether a chunk is served from its source's map (else read into a buffer)."""
-        return chunk.as_on_disk and not self.direct_io
+        """Whether a chunk is served from its source's map (else read into a buffer): one that lies
+        on disk as served, where the page cache holds it (or the kernel cannot say)."""
+        if not chunk.as_on_disk or self.direct_io:
+            return False
+        begin, end = chunk.source_offset, chunk.source_offset + chunk.length
+        return page_cache_holds(self.fd(chunk.source), begin, end) is not False
 
     def check_unchanged(self, index: int):
         source = self.sources[index]
@@ -69,21 +82,22 @@ class SourceReader:
             return None
 
     def read_into(self, chunk: Chunk, buffer: mmap.mmap) -> memoryview:
-        """One large read of the chunk into `buffer` (of its read span's size at least), the fill
-        written outside its slice, and the source's cache dropped. Returns the chunk's bytes."""
+        """One large read of the chunk into `buffer` (of its whole pages' size at least), direct
+        unless the page cache holds it, the fill written outside its slice, and the source's cache
+        of it dropped (the view's page cache holds it next). Returns the chunk's bytes."""
         self.check_unchanged(chunk.source)
         source = self.sources[chunk.source]
-        begin, end = chunk.read_span(self.direct_io)
-        skip = chunk.source_offset - begin
+        skip = chunk.source_offset % PAGE
         try:
-            done = read_exactly(self.fd(chunk.source), memoryview(buffer)[:end - begin], begin, source.path)
+            done = self._file(chunk.source).read_into(memoryview(buffer), skip, chunk.source_offset, chunk.length,
+                                                      source.path)
         except OSError as exc:
             raise BackingError(str(exc)) from None
-        if done < skip + chunk.length:
+        if done < chunk.length:
             raise BackingError(f"{source.path}: short read at offset {chunk.source_offset} "
-                               f"({max(0, done - skip)} of {chunk.length} bytes); the file was truncated")
-        if not self.direct_io:
-            os.posix_fadvise(self.fd(chunk.source), begin, end - begin, os.POSIX_FADV_DONTNEED)
+                               f"({done} of {chunk.length} bytes); the file was truncated")
+        self._file(chunk.source).drop_added()  # where it could not read direct (tmpfs): what it cached
+        os.posix_fadvise(self.fd(chunk.source), chunk.source_offset, chunk.length, os.POSIX_FADV_DONTNEED)
         data = memoryview(buffer)[skip:skip + chunk.length]
         if chunk.row_bytes:
             fill_outside_slice(data, chunk)

@@ -1,6 +1,7 @@
-"""The hook's reads into slabs: bytes adjacent in a source are read together, each run placed in
-the slab at its offset's place within a page; ranges the page cache holds are copied from it, the
-rest read straight from the disk (O_DIRECT), which leaves nothing in the page cache."""
+"""Reads straight from the disk. The hook's reads into slabs: bytes adjacent in a source are read
+together, each run placed in the slab at its offset's place within a page. The daemon's reads of
+chunks. Either way ranges the page cache holds are copied or mapped from it, the rest read direct
+(O_DIRECT), which leaves nothing in the page cache."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from rankfs.contract import Source
 from rankfs.loader.staged import lay_out
+from rankfs.plan.extents import Extent
 from rankfs.reader import io
-from rankfs.reader.io import PAGE, OpenFile, align_down, align_up
+from rankfs.reader.chunks import Chunk
+from rankfs.reader.io import PAGE, OpenFile, align_down, align_up, page_cache_holds
+from rankfs.reader.loading import SourceReader
 
 SIZE = 8 << 20
 
@@ -60,6 +65,25 @@ def test_a_run_larger_than_a_read_is_read_in_pieces_cut_at_pages_by_several_thre
         done = list(pool.map(lambda p: opened.read_into(buffer, p.at, p.offset, p.length, "source"), pieces))
     assert done == [p.length for p in pieces]
     assert bytes(buffer[run.at:run.at + run.length]) == data[run.offset:run.offset + run.length]
+
+
+def test_the_daemon_reads_what_is_not_cached_direct_and_maps_what_is(source):
+    opened, data = source
+    if opened.direct_fd is None or page_cache_holds(opened.fd, 0, PAGE) is None:
+        pytest.skip("this filesystem has no direct I/O, or this kernel no cachestat")
+    reader = SourceReader((Source.stat(opened.path),), direct_io=False)
+    chunk = Chunk(Extent(0, SIZE, "data", source=0, source_offset=12345, tensor="t"), 0, (3 << 20) + 777)
+    try:
+        assert not reader.maps_chunk(chunk)
+        begin, end = chunk.read_span()
+        got = reader.read_into(chunk, mmap.mmap(-1, end - begin))
+        assert bytes(got) == data[12345:12345 + chunk.length]
+        assert cached_pages(opened) == 0  # read direct: nothing came into the page cache
+        with open(opened.path, "rb") as f:
+            f.read()
+        assert reader.maps_chunk(chunk)  # cached: served from a map of the source, one copy
+    finally:
+        reader.close()
 
 
 def cached_pages(opened: OpenFile) -> int:

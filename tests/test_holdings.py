@@ -27,7 +27,7 @@ def pushed_chunk(held: Holdings, index: int, chunk: Chunk | None = None) -> Chun
 
 def test_passed_chunks_keep_their_first_page_within_the_cap(monkeypatch):
     monkeypatch.setattr(holdings, "PASSED_EDGE_BYTES", 2 * PAGE)
-    held = Holdings(16 * CHUNK_BYTES, reader=None, direct_io=False, stats=Stats())
+    held = Holdings(16 * CHUNK_BYTES, reader=None, stats=Stats())
     chunks = [pushed_chunk(held, i) for i in range(3)]
     for chunk in chunks:
         held.let_pass(chunk)
