@@ -8,8 +8,9 @@ import ctypes
 import mmap
 import os
 
+from rankfs.reader.io import RESIDENT_BIT
+
 MIB = 1 << 20
-_RESIDENT_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte, the rest reserved
 
 
 def _libc():
@@ -38,7 +39,7 @@ def resident_pages(path) -> int:
                 raise OSError(ctypes.get_errno(), "mincore")
         finally:
             libc.munmap(address, size)
-        return bytes(vec).translate(_RESIDENT_BIT).count(1)
+        return bytes(vec).translate(RESIDENT_BIT).count(1)
     finally:
         os.close(fd)
 

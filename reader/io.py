@@ -24,7 +24,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_RESIDENT_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte, the rest reserved
+RESIDENT_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte, the rest reserved
 _SYS_CACHESTAT = 451  # Linux 6.5, the same number on x86_64 and aarch64
 _libc.syscall.restype = ctypes.c_long
 
@@ -171,7 +171,7 @@ class OpenFile:
         vector = ctypes.create_string_buffer(pages)
         if _libc.mincore(self._map + begin, pages * PAGE, vector) != 0:
             raise _os_error(f"{self.path}: mincore")
-        return vector.raw.translate(_RESIDENT_BIT)
+        return vector.raw.translate(RESIDENT_BIT)
 
     def mapped(self, offset: int, length: int) -> memoryview | None:
         """Bytes [offset, offset + length) as the page cache holds them, mapped into this process,

@@ -87,17 +87,17 @@ class SourceReader:
         of it dropped (the view's page cache holds it next). Returns the chunk's bytes."""
         self.check_unchanged(chunk.source)
         source = self.sources[chunk.source]
+        opened = self._file(chunk.source)
         skip = chunk.source_offset % PAGE
         try:
-            done = self._file(chunk.source).read_into(memoryview(buffer), skip, chunk.source_offset, chunk.length,
-                                                      source.path)
+            done = opened.read_into(memoryview(buffer), skip, chunk.source_offset, chunk.length, source.path)
         except OSError as exc:
             raise BackingError(str(exc)) from None
         if done < chunk.length:
             raise BackingError(f"{source.path}: short read at offset {chunk.source_offset} "
                                f"({done} of {chunk.length} bytes); the file was truncated")
-        self._file(chunk.source).drop_added()  # where it could not read direct (tmpfs): what it cached
-        os.posix_fadvise(self.fd(chunk.source), chunk.source_offset, chunk.length, os.POSIX_FADV_DONTNEED)
+        opened.drop_added()  # where it could not read direct (tmpfs): what it cached
+        os.posix_fadvise(opened.fd, chunk.source_offset, chunk.length, os.POSIX_FADV_DONTNEED)
         data = memoryview(buffer)[skip:skip + chunk.length]
         if chunk.row_bytes:
             fill_outside_slice(data, chunk)
