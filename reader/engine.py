@@ -356,9 +356,9 @@ class ReadEngine:
         chunk.reads += 1
 
     def _read_chunk(self, chunk: Chunk, buffer):
-        """Runs in a worker thread: the chunk's range of its source's map, resident, where `_load`
-        gave it no buffer (the page cache held it then); or a read into a pool buffer. Returns (the
-        buffer, or None for a map range; the chunk's bytes)."""
+        """Runs in a worker thread: the chunk's range of its source's map, resident, where it may be
+        mapped now and `_load` gave it no buffer (it found it cached, or the pool had none idle); or
+        a read into a pool buffer. Returns (the buffer, or None for a map range; the chunk's bytes)."""
         if buffer is None and self._reader.maps_chunk(chunk):
             mapped = self._reader.mapped_range(chunk.source, chunk.source_offset, chunk.source_offset + chunk.length)
             if mapped is not None:
