@@ -14,7 +14,9 @@ run read in pieces of 16 MiB at most, on every free thread, straight from the di
 unless the page cache holds it, at its file offset's place within a page, with its first and last
 pages to itself, as direct reads need (a bounce buffer keeps that place within a page); slices
 spread over rows read row by row, or, where the page cache holds them, their columns copied out of
-its mapped pages. Either way a load adds nothing to the page cache.
+its mapped pages. A group of small reads whose sources the page cache holds (a warm sliced rank's
+experts) is copied out of maps instead, a piece of the slab per job, alike copies at one step in
+one numpy call. Either way a load adds nothing to the page cache.
 
 Reads ahead are admitted in the loaders' order while the budget has room. The file the loader
 consumes now goes beyond it only when files before it hold one slab at most (the loader takes a
@@ -69,6 +71,24 @@ class Run(NamedTuple):
         end = self.offset + self.length
         cuts = [self.offset, *range(align_down(self.offset) + nbytes, end, nbytes), end]
         return [self._replace(offset=a, length=b - a, at=self.at + a - self.offset) for a, b in zip(cuts, cuts[1:])]
+
+
+class Copy(NamedTuple):
+    """A read into a slab at `at` of `length` bytes of a source from `offset`: a block, or the
+    whole rows of a slice spread over them (`rows`), of which the rank's columns land. `read`
+    does it on its own (from the disk, or the page cache); where a group's sources are cached,
+    jobs of copies are made out of maps instead (`_copy_out_of_cache`)."""
+    source: OpenFile
+    offset: int
+    length: int
+    at: int
+    rows: Rows | None
+    read: functools.partial
+
+    @property
+    def landed(self) -> int:
+        """The bytes it writes to the slab."""
+        return self.length if self.rows is None else self.rows.kept_bytes
 
 
 class Span(NamedTuple):
@@ -197,7 +217,7 @@ def lay_out(blocks: list[tuple[str, OpenFile, int, int]], rows: list[tuple[str, 
     return runs, offsets, align_up(pos)
 
 
-def _batches(reads: list, landing) -> list:
+def _batches(reads: list[tuple[str, int, int, functools.partial]], landing, trace) -> list:
     """Reads (path, offset, bytes, read) in file order, as jobs of RUN_BYTES or more each: a job per
     small read would cost more in hand-offs between threads than the read (sliced experts' blocks
     are a few MB). A job ends once what it read has landed or, on the GPU, its uploads are queued:
@@ -207,26 +227,11 @@ def _batches(reads: list, landing) -> list:
         batch.append(read)
         size += nbytes
         if size >= RUN_BYTES:
-            jobs.append(batch)
+            jobs.append((batch, size))
             batch, size = [], 0
     if batch:
-        jobs.append(batch)
-    return [functools.partial(_run_each, batch, landing) for batch in jobs]
-
-
-def _cpu_work(reads: list) -> bool:
-    """Whether a group's slab is filled by copies out of the page cache, `reads` (source, offset,
-    bytes, callable) of a few MB on average (sliced experts, their sources cached): work for the
-    CPU alone, on as many read threads as half the cores (rankfs.loader.ordered). Read from the
-    disk, every thread keeps a read in flight. One cachestat per source, over all of the group's
-    reads from it."""
-    if not reads or sum(nbytes for _, _, nbytes, _ in reads) >= len(reads) * SMALL_READ_BYTES:
-        return False
-    spans: dict[OpenFile, tuple[int, int]] = {}
-    for source, offset, nbytes, _ in reads:
-        begin, end = spans.get(source, (offset, offset + nbytes))
-        spans[source] = (min(begin, offset), max(end, offset + nbytes))
-    return all(source.cached(begin, end) for source, (begin, end) in spans.items())
+        jobs.append((batch, size))
+    return [_job(trace, size, len(batch), _run_each, batch, landing) for batch, size in jobs]
 
 
 def _run_each(reads: list, landing):
@@ -234,6 +239,132 @@ def _run_each(reads: list, landing):
         read()
     if landing is not None:
         landing.flush()
+
+
+def _job(trace, nbytes: int, reads: int, work, *args) -> functools.partial:
+    """work(*args) as a read thread's job; traced, it says how much of its time its thread ran on
+    a CPU: the rest it waited (for the GIL, a bounce buffer, the disk)."""
+    return functools.partial(_run_job, trace, nbytes, reads, work, args)
+
+
+def _run_job(trace, nbytes: int, reads: int, work, args: tuple):
+    if not trace.on:
+        return work(*args)
+    began, cpu = time.monotonic(), time.thread_time()
+    work(*args)
+    trace.event("job", began=began, ended=time.monotonic(), cpu=round(time.thread_time() - cpu, 6),
+                bytes=nbytes, reads=reads)
+
+
+def _cpu_work(copies: list[Copy]) -> bool:
+    """Whether a group's slab is filled by copies out of the page cache, reads of a few MB on
+    average (sliced experts, their sources cached): work for the CPU alone, on as many read threads
+    as half the cores (rankfs.loader.ordered). Read from the disk, every thread keeps a read in
+    flight. One cachestat per source, over all of the group's reads from it: so every page between
+    a group's first and last read of a source is cached."""
+    if not copies or sum(copy.length for copy in copies) >= len(copies) * SMALL_READ_BYTES:
+        return False
+    return all(source.cached(begin, end) for source, (begin, end) in _covering(copies).items())
+
+
+def _covering(copies: list[Copy]) -> dict[OpenFile, tuple[int, int]]:
+    """Per source, the bytes from the first of the copies' reads to the end of the last."""
+    spans: dict[OpenFile, tuple[int, int]] = {}
+    for copy in copies:
+        begin, end = spans.get(copy.source, (copy.offset, copy.offset + copy.length))
+        spans[copy.source] = (min(begin, copy.offset), max(end, copy.offset + copy.length))
+    return spans
+
+
+def _cached_jobs(copies: list[Copy], landing, trace) -> list:
+    """Copies out of the page cache in slab order, as jobs of a landing's piece of the slab at most
+    (RUN_BYTES in a host slab). One larger alone is a job of its own read."""
+    cap = landing.piece or RUN_BYTES
+    jobs, job = [], []
+    for copy in sorted(copies, key=lambda c: c.at):
+        if copy.landed > cap:
+            jobs.append(_job(trace, copy.length, 1, _run_each, [copy.read], landing))
+            continue
+        if job and copy.at + copy.landed - job[0].at > cap:
+            jobs.append(_job(trace, sum(c.length for c in job), len(job), _copy_out_of_cache, job, landing))
+            job = []
+        job.append(copy)
+    if job:
+        jobs.append(_job(trace, sum(c.length for c in job), len(job), _copy_out_of_cache, job, landing))
+    return jobs
+
+
+def _copy_out_of_cache(copies: list[Copy], landing):
+    """Copies whose sources the page cache holds (`_cpu_work`), made out of one map of each source
+    into one place of the slab, those alike at constant steps in a single numpy call each
+    (`_strided`). Read one by one, a sliced expert was six reads of its own, each taking the GIL
+    back a few times: a warm EP1 sliced load's read threads ran 31-38 % of their jobs' time on the
+    H200 host, waiting the rest. Only the pages the copies read are mapped in: mapping in a job's
+    whole span, the other ranks' rows too, cost the 2-core VM's loads a third more CPU. Where a
+    source cannot be mapped, each copy is read instead."""
+    maps: dict[OpenFile, tuple[int, memoryview]] = {}
+    try:
+        for source, (begin, end) in _covering(copies).items():
+            whole = source.mapped(begin, end - begin, [(c.offset, c.offset + c.length) for c in copies
+                                                      if c.source is source])
+            if whole is None:
+                break
+            maps[source] = (begin, whole)
+        else:
+            first = copies[0].at
+            spot = landing.place(first, max(c.at + c.landed for c in copies) - first)
+            for copy, count, step, slab_step in _strided(copies):
+                begin, whole = maps[copy.source]
+                _copy_strided(copy, count, step, slab_step, whole, copy.offset - begin,
+                              spot.buffer, spot.at + copy.at - first)
+            landing.landed(spot)
+    finally:
+        for source, (begin, whole) in maps.items():
+            source.unmap(begin, len(whole))
+    if len(maps) < len(_covering(copies)):
+        for copy in copies:
+            copy.read()
+    landing.flush()
+
+
+def _strided(copies: list[Copy]):
+    """Copies of one shape from one source at constant steps, in the source and in the slab alike,
+    as (first copy, count, source step, slab step): a sliced expert's w2 in each of a job's experts
+    is one numpy call."""
+    alike: dict[tuple, list[Copy]] = {}
+    for copy in copies:
+        alike.setdefault((copy.source, copy.rows or copy.length), []).append(copy)
+    for same in alike.values():
+        i = 0
+        while i < len(same):
+            j, step, slab_step = i + 1, 0, 0
+            if j < len(same):
+                step, slab_step = same[j].offset - same[i].offset, same[j].at - same[i].at
+                while (j < len(same) and same[j].offset - same[j - 1].offset == step
+                       and same[j].at - same[j - 1].at == slab_step):
+                    j += 1
+            yield same[i], j - i, step, slab_step
+            i = j
+
+
+_UNITS = ((8, np.uint64), (4, np.uint32), (2, np.uint16), (1, np.uint8))
+
+
+def _copy_strided(copy: Copy, count: int, step: int, slab_step: int, source: memoryview, at: int,
+                  target: memoryview, target_at: int):
+    """`count` copies like `copy`, `step` bytes apart from source[at:] and `slab_step` apart from
+    target[target_at:], in the widest unit that every offset and length divides (eight-byte
+    elements copy columns 2.5x as fast as bytes on the H200 host). Both maps begin on a page, so
+    an offset's alignment is its address's. numpy checks every element lies within both."""
+    rows = copy.rows or Rows(1, copy.length, 0, copy.length)
+    kept = rows.keep_stop - rows.keep_start
+    at += rows.keep_start
+    unit, dtype = next((unit, dtype) for unit, dtype in _UNITS
+                       if not (copy.offset + rows.keep_start) % unit | target_at % unit | step % unit
+                       | slab_step % unit | rows.row_bytes % unit | kept % unit)
+    shape = (count, rows.count, kept // unit)
+    np.copyto(np.ndarray(shape, dtype, buffer=target, offset=target_at, strides=(slab_step, kept, unit)),
+              np.ndarray(shape, dtype, buffer=source, offset=at, strides=(step, rows.row_bytes, unit)))
 
 
 def _rows_buffer(nbytes: int) -> memoryview:
@@ -372,22 +503,23 @@ class StagedFile(RankfsFile):
         began = time.monotonic()
         staging = self._stagings[group]
         placed: dict[str, tuple[Slab, int]] = {}
-        jobs = [(span.source.path, span.begin, span.end - span.begin, functools.partial(self._map_window, span, placed))
-                for span in staging.windows]  # (path, offset, bytes, callable), sorted into file order below
+        windows = [(span.source.path, span.begin, span.end - span.begin, functools.partial(self._map_window, span, placed))
+                   for span in staging.windows]  # (path, offset, bytes, callable)
         landing = None
-        reads = []  # into the slab: (source, offset, bytes, callable)
+        trace = self._hook.trace
         try:
+            copies = []
             if staging.in_slab:
                 landing = self._allocate(staging.size, staging.in_slab)
                 placed.update((name, (landing.slab, staging.offsets[name])) for name in staging.in_slab)
-                reads += [(piece.source, piece.offset, piece.length, functools.partial(self._read_run, piece, landing))
-                          for run in staging.runs for piece in run.pieces()]
-                reads += [(self.locate(name)[0], *self.span(name),
-                           functools.partial(self._read_rows, name, landing, staging.offsets[name]))
-                          for name in staging.in_slab if self.block(name) is None]
-            jobs += [(source.path, offset, nbytes, read) for source, offset, nbytes, read in reads]
-            self._hook.executor.run_all((self.path, group), _batches(sorted(jobs, key=lambda r: r[:2]), landing),
-                                        cpu=_cpu_work(reads))
+                copies = self._copies(staging, landing)
+            cpu = _cpu_work(copies)
+            if cpu:
+                jobs = _batches(windows, landing, trace) + _cached_jobs(copies, landing, trace)
+            else:
+                reads = windows + [(copy.source.path, copy.offset, copy.length, copy.read) for copy in copies]
+                jobs = _batches(sorted(reads, key=lambda r: r[:2]), landing, trace)
+            self._hook.executor.run_all((self.path, group), jobs, cpu=cpu)
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
             made = {id(s): s.reserved for s, _ in placed.values()}
             self._hook.budget.release(self._costs[group] - sum(made.values()))
@@ -397,6 +529,20 @@ class StagedFile(RankfsFile):
         self._hook.trace.event("group", path=self.path, group=group, bytes=self._group_spans[group], asked=asked,
                                began=began, ended=time.monotonic(), thread=threading.current_thread().name)
         return placed
+
+    def _copies(self, staging: Staging, landing: HostLanding | DeviceLanding) -> list[Copy]:
+        """What fills a group's slab: its runs in pieces, and the whole rows of its slices spread
+        over rows."""
+        copies = [Copy(piece.source, piece.offset, piece.length, piece.at, None,
+                       functools.partial(self._read_run, piece, landing))
+                  for run in staging.runs for piece in run.pieces()]
+        for name in staging.in_slab:
+            if self.block(name) is None:
+                source, begin = self.locate(name)
+                rows, at = self.rows(name), staging.offsets[name]
+                copies.append(Copy(source, begin, rows.count * rows.row_bytes, at, rows,
+                                   functools.partial(self._read_rows, name, landing, at)))
+        return copies
 
     def _allocate(self, size: int, names: list[str]) -> HostLanding | DeviceLanding:
         """A slab for a group, in GPU memory where the hook stages there and the device has room."""

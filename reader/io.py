@@ -23,6 +23,9 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc_holding_gil = ctypes.PyDLL(None, use_errno=True)  # for calls shorter than taking the GIL back
+_libc_holding_gil.madvise.argtypes = _libc.madvise.argtypes
+CACHED_SHORT_BYTES = 1 << 20  # cached pages mapped in with the GIL held: tens of microseconds
 _MAP_FAILED = ctypes.c_void_p(-1).value
 RESIDENT_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte, the rest reserved
 _SYS_CACHESTAT = 451  # Linux 6.5, the same number on x86_64 and aarch64
@@ -62,10 +65,11 @@ def _os_error(what: str) -> OSError:
     return OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def madvise(address: int, length: int, advice: int):
+def madvise(address: int, length: int, advice: int, holding_gil: bool = False):
     """madvise(2) through ctypes, which lets the GIL go for the call (Python's mmap.madvise holds
-    it, and has no MADV_POPULATE_READ)."""
-    if _libc.madvise(address, length, advice) != 0:
+    it, and has no MADV_POPULATE_READ) unless `holding_gil`: for calls shorter than the wait to
+    take the GIL back behind the loader's threads."""
+    if (_libc_holding_gil if holding_gil else _libc).madvise(address, length, advice) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -116,6 +120,17 @@ def open_for_exact_reads(path, flags: int = os.O_RDONLY) -> int:
     fd = os.open(path, flags)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd
+
+
+def joined_pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The whole pages of byte spans (begin, end), those that share or touch pages joined."""
+    joined: list[tuple[int, int]] = []
+    for begin, end in sorted(covering_pages(b, e) for b, e in spans):
+        if joined and begin <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(end, joined[-1][1]))
+        else:
+            joined.append((begin, end))
+    return joined
 
 
 class OpenFile:
@@ -173,16 +188,18 @@ class OpenFile:
             raise _os_error(f"{self.path}: mincore")
         return vector.raw.translate(RESIDENT_BIT)
 
-    def mapped(self, offset: int, length: int) -> memoryview | None:
+    def mapped(self, offset: int, length: int, parts: list[tuple[int, int]] | None = None) -> memoryview | None:
         """Bytes [offset, offset + length) as the page cache holds them, mapped into this process,
-        read only. Its pages are mapped in first, so that a page missing past the file's end fails
-        here, not with SIGBUS at the copy. None where they cannot be: no map, a kernel before 5.14,
-        a file cut short. Let go with `unmap`."""
+        read only, for bytes the page cache held when last asked. Its pages are mapped in first
+        (only those of `parts`, (begin, end) within it, where given: what will be read of it), so
+        that a page missing past the file's end fails here, not with SIGBUS at the copy; up to
+        CACHED_SHORT_BYTES at a time with the GIL held. None where they cannot be: no map, a kernel
+        before 5.14, a file cut short. Let go with `unmap`."""
         if self._map is None or offset + length > self._size or length <= 0:
             return None
-        begin, end = covering_pages(offset, offset + length)
         try:
-            madvise(self._map + begin, end - begin, MADV_POPULATE_READ)
+            for begin, end in joined_pages(parts or [(offset, offset + length)]):
+                madvise(self._map + begin, end - begin, MADV_POPULATE_READ, end - begin <= CACHED_SHORT_BYTES)
         except OSError:
             return None
         return memoryview((ctypes.c_ubyte * length).from_address(self._map + offset)).cast("B").toreadonly()

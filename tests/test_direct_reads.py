@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 
 from rankfs.contract import Source
-from rankfs.loader.staged import lay_out
+from rankfs.loader.staged import Copy, Spot, _cached_jobs, lay_out
+from rankfs.plan.spec import Rows
 from rankfs.plan.extents import Extent
 from rankfs.reader import io
 from rankfs.reader.chunks import Chunk
 from rankfs.reader.io import PAGE, OpenFile, align_down, align_up, page_cache_holds
 from rankfs.reader.loading import SourceReader
+from rankfs.reader.trace import Trace
 
 SIZE = 8 << 20
 
@@ -158,3 +160,50 @@ def test_cached_bytes_are_mapped_as_they_lie_and_a_file_cut_short_is_refused_not
         assert opened.mapped(PAGE + 10, 3 * PAGE) is None
     finally:
         opened.close()
+
+
+class _Landing:
+    """Where a job's copies land: a plain buffer standing for a host slab."""
+    piece = None
+
+    def __init__(self, nbytes: int):
+        self.buffer = memoryview(mmap.mmap(-1, nbytes))
+
+    def place(self, at: int, nbytes: int) -> Spot:
+        return Spot(self.buffer, at, at, nbytes)
+
+    def landed(self, spot: Spot):
+        pass
+
+    def flush(self):
+        pass
+
+
+def test_copies_out_of_the_page_cache_land_each_tensor_as_its_own_read_would(source):
+    """A warm sliced group's copies, made out of maps of the cached source: experts' rows (eight-
+    and two-byte units) and blocks (eight- and one-byte units) at one step in the source and the
+    slab, one expert out of step, land the rank's bytes of each, and nothing between them."""
+    opened, data = source
+    os.pread(opened.fd, SIZE, 0)  # all of it cached
+    step, kinds = 73 * PAGE, [(Rows(64, 1152, 288, 576), 0), (Rows(64, 72, 18, 36), 80_000),
+                            (None, 100_000, 10_000), (None, 200_001, 333)]
+    copies, at = [], 0
+    for expert in range(6):
+        base = PAGE + expert * step + (4096 if expert == 4 else 0)
+        for rows, offset, *length in kinds:
+            nbytes = length[0] if rows is None else rows.count * rows.row_bytes
+            at = align_up(at) + (0 if rows else (base + offset) % PAGE)
+            copies.append(Copy(opened, base + offset, nbytes, at, rows, None))
+            at += copies[-1].landed
+    landing = _Landing(align_up(at) + PAGE)
+    jobs = _cached_jobs(copies, landing, Trace())
+    for job in jobs:
+        job()
+    expected = np.zeros(len(landing.buffer), np.uint8)
+    source_bytes = np.frombuffer(data, np.uint8)
+    for copy in copies:
+        whole = source_bytes[copy.offset:copy.offset + copy.length]
+        if copy.rows is not None:
+            whole = whole.reshape(copy.rows.count, copy.rows.row_bytes)[:, copy.rows.keep_start:copy.rows.keep_stop]
+        expected[copy.at:copy.at + copy.landed] = whole.reshape(-1)
+    assert len(jobs) == 1 and bytes(landing.buffer) == expected.tobytes()

@@ -296,7 +296,8 @@ def test_staged_slabs_stay_within_the_budget_or_one_file_larger_than_it(tiny_che
 def test_the_hook_traces_each_file_it_opens_and_each_group_it_stages(tiny_checkpoint, mount_dir, monkeypatch,
                                                                     tmp_path):
     """RANKFS_HOOK_TRACE: an event per file opened, per group staged (asked, began, ended, by a read
-    thread) and per wait of the loader for a group; the benchmark's summary lists every file."""
+    thread), per job of its reads (with its thread's CPU time) and per wait of the loader for a
+    group; the benchmark's summary lists every file."""
     monkeypatch.setenv("RANKFS_HOOK_MAP", "off")
     monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
     monkeypatch.setenv("RANKFS_HOOK_TRACE", str(tmp_path / "hook-{pid}.jsonl"))
@@ -317,6 +318,10 @@ def test_the_hook_traces_each_file_it_opens_and_each_group_it_stages(tiny_checkp
     assert all((e["path"], e["group"]) in {(s["path"], s["group"]) for s in staged}
                for e in events if e["event"] == "wait")
     assert [e["phase"] for e in events if e["event"] == "release"] == ["target"]
+    jobs = [e for e in events if e["event"] == "job"]
+    assert sum(e["bytes"] for e in jobs) >= sum(e["bytes"] for e in staged)  # whole rows read for slices
+    assert all(e["began"] <= e["ended"] and 0 <= e["cpu"] <= e["ended"] - e["began"] + 0.01 and e["reads"] >= 1
+               for e in jobs)
     summary = dev_trace.summarize_hook(events)
     assert summary.startswith(f"groups: {len(staged)}, ")
     assert all(os.path.basename(path) in summary for path in opened)

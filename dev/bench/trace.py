@@ -97,6 +97,7 @@ def summarize_hook(events: list[dict], row: dict | None = None, step: float = 0.
         f"groups: {len(groups)}, {staged / GB:.2f} GB; staged at {staged / busy / GB:.2f} GB/s over the {busy:.2f} s "
         f"some group was being staged; waited for a read thread {waited_for_thread} s, "
         f"staged in {_quantiles([e['ended'] - e['began'] for e in groups])} s",
+        _jobs([e for e in events if e["event"] == "job"]),
         f"the loader waited for a group {len(waits)} times, {sum(e['t'] - e['began'] for e in waits):.2f} s in all: "
         f"{_quantiles([e['t'] - e['began'] for e in waits])} s",
         f"\n{'file':<40} {'opened':>7} {'took':>6} {'first read':>10} {'last staged':>11} {'GB':>5} {'waited':>7}",
@@ -126,6 +127,17 @@ def summarize_hook(events: list[dict], row: dict | None = None, step: float = 0.
         lines.append(f"{i * step:6.1f} {landed:9.2f} {mb:9.0f} {len(running):6d} "
                      f"{len({e['path'] for e in running}):5d} {waiting:7.1f}")
     return "\n".join(lines)
+
+
+def _jobs(jobs: list[dict]) -> str:
+    """How much of their jobs' time the read threads ran on a CPU (the rest they waited)."""
+    if not jobs:
+        return "jobs: none traced"
+    wall = sum(e["ended"] - e["began"] for e in jobs)
+    cpu = sum(e["cpu"] for e in jobs)
+    return (f"jobs: {len(jobs)}, {sum(e['reads'] for e in jobs)} reads, {wall:.2f} s in all, of it "
+            f"{cpu:.2f} s on a CPU ({cpu / wall:.0%}); a job {_quantiles([e['ended'] - e['began'] for e in jobs])} s, "
+            f"{sum(e['bytes'] for e in jobs) / wall / GB:.2f} GB/s a thread")
 
 
 def _overlap(begin: float, end: float, lo: float, hi: float) -> float:
