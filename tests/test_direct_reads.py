@@ -5,15 +5,18 @@ chunks. Either way ranges the page cache holds are copied or mapped from it, the
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from rankfs.contract import Source
-from rankfs.loader.staged import Copy, Spot, _cached_jobs, lay_out
+from rankfs.loader.staged import Copy, HostLanding, Run, StagedFile, _cached_jobs, lay_out
 from rankfs.plan.spec import Rows
 from rankfs.plan.extents import Extent
 from rankfs.reader import io
@@ -162,23 +165,6 @@ def test_cached_bytes_are_mapped_as_they_lie_and_a_file_cut_short_is_refused_not
         opened.close()
 
 
-class _Landing:
-    """Where a job's copies land: a plain buffer standing for a host slab."""
-    piece = None
-
-    def __init__(self, nbytes: int):
-        self.buffer = memoryview(mmap.mmap(-1, nbytes))
-
-    def place(self, at: int, nbytes: int) -> Spot:
-        return Spot(self.buffer, at, at, nbytes)
-
-    def landed(self, spot: Spot):
-        pass
-
-    def flush(self):
-        pass
-
-
 def test_copies_out_of_the_page_cache_land_each_tensor_as_its_own_read_would(source):
     """A warm sliced group's copies, made out of maps of the cached source: experts' rows (eight-
     and two-byte units) and blocks (eight- and one-byte units) at one step in the source and the
@@ -195,7 +181,7 @@ def test_copies_out_of_the_page_cache_land_each_tensor_as_its_own_read_would(sou
             at = align_up(at) + (0 if rows else (base + offset) % PAGE)
             copies.append(Copy(opened, base + offset, nbytes, at, rows, None))
             at += copies[-1].landed
-    landing = _Landing(align_up(at) + PAGE)
+    landing = HostLanding(SimpleNamespace(tensor=torch.zeros(align_up(at) + PAGE, dtype=torch.uint8)), pool=None)
     jobs = _cached_jobs(copies, landing, Trace())
     for job in jobs:
         job()
@@ -207,3 +193,22 @@ def test_copies_out_of_the_page_cache_land_each_tensor_as_its_own_read_would(sou
             whole = whole.reshape(copy.rows.count, copy.rows.row_bytes)[:, copy.rows.keep_start:copy.rows.keep_stop]
         expected[copy.at:copy.at + copy.landed] = whole.reshape(-1)
     assert len(jobs) == 1 and bytes(landing.buffer) == expected.tobytes()
+
+
+def test_a_source_cut_short_under_cached_copies_is_read_and_named_not_faulted(source):
+    """Pages gone past a shortened source's end are refused when mapped in, not met by the copy
+    (SIGBUS): the job reads its copies one by one, and the read that comes short names its tensor."""
+    opened, _ = source
+    os.pread(opened.fd, SIZE, 0)  # all of it cached
+    landing = HostLanding(SimpleNamespace(tensor=torch.zeros(1 << 20, dtype=torch.uint8)), pool=None)
+    copies, at = [], 0
+    for i in range(3):
+        offset = SIZE - 300_000 + i * 100_000
+        at = align_up(at) + offset % PAGE
+        run = Run(opened, offset, 50_000, at, (f"t{i}",))
+        copies.append(Copy(opened, offset, 50_000, at, None, functools.partial(StagedFile._read_run, run, landing)))
+        at += 50_000
+    os.truncate(opened.path, SIZE - 175_000)
+    with pytest.raises(OSError, match=r"tensor 't1': short read"):
+        for job in _cached_jobs(copies, landing, Trace()):
+            job()
