@@ -30,7 +30,7 @@ import functools
 import threading
 import time
 from concurrent.futures import Future
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -83,7 +83,7 @@ class Copy(NamedTuple):
     length: int
     at: int
     rows: Rows | None
-    read: functools.partial
+    read: Callable[[], None]
 
     @property
     def landed(self) -> int:
@@ -532,9 +532,8 @@ class StagedFile(RankfsFile):
                   for run in staging.runs for piece in run.pieces()]
         for name in staging.in_slab:
             if self.block(name) is None:
-                source, begin = self.locate(name)
-                rows, at = self.rows(name), staging.offsets[name]
-                copies.append(Copy(source, begin, rows.count * rows.row_bytes, at, rows,
+                at = staging.offsets[name]
+                copies.append(Copy(self.locate(name)[0], *self.span(name), at, self.rows(name),
                                    functools.partial(self._read_rows, name, landing, at)))
         return copies
 
