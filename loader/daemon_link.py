@@ -66,7 +66,7 @@ class ViewProgress:
 class DaemonLink:
     def __init__(self):
         self._lock = threading.Lock()
-        self._maps: dict[str, tuple] = {}  # sources map file -> its decoded map
+        self._maps: dict[str, contract.SourcesMap] = {}  # sources map file -> its map
         self._sources: dict[str, OpenFile] = {}  # source path -> the file (checked unchanged at open)
         self.willneed_reach: dict[str, int] = {}  # source path -> bytes one WILLNEED reads
         self._progress: dict[str, ViewProgress] = {}  # view directory path -> its progress
@@ -77,21 +77,23 @@ class DaemonLink:
 
     def placement(self, path: str) -> dict[str, tuple[OpenFile, int]] | None:
         """Where a view file's tensors lie in the source shards, opened: {tensor: (source, offset
-        of its first byte)}. None when the mount does not say, or a source cannot be read here or has changed since it was mounted: the hook then
-        reads the view itself (and the daemon serves it)."""
+        of its first byte)}. None when the mount does not say, or a source cannot be read here or
+        has changed since it was mounted: the hook then reads the view itself (and the daemon
+        serves it). Only the sources the file's tensors lie in are opened."""
         mountpoint = self.mount_root(path)
         map_file = contract.sources_path(mountpoint, os.path.relpath(os.path.dirname(path), mountpoint))
         try:
             with self._lock:
                 if map_file not in self._maps:
                     with open(map_file, "rb") as f:
-                        self._maps[map_file] = contract.decode_sources(f.read())
-            sources, files = self._maps[map_file]
-            opened = [self._open(source) for source in sources]
+                        self._maps[map_file] = contract.SourcesMap(f.read())
+            sources = self._maps[map_file]
+            places = sources.places(os.path.basename(path))
+            opened = {i: self._open(sources.sources[i]) for i in {i for i, _ in places.values()}}
         except OSError as exc:
             log.info("rankfs hook: %s: reading through the mount: %s", path, exc)
             return None
-        return {name: (opened[i], offset) for name, (i, offset) in files[os.path.basename(path)].items()}
+        return {name: (opened[i], offset) for name, (i, offset) in places.items()}
 
     def _open(self, source: contract.Source) -> OpenFile:
         with self._lock:

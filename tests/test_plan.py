@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+from pathlib import Path
 
 import pytest
 
 from conftest import mounted, rankfs
 from dev.fixtures import deepseek_v4
+from rankfs import contract
+from rankfs.loader.daemon_link import DaemonLink
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import plan_rank, plan_ranks
 from rankfs.plan.spec import RankSpec
@@ -71,6 +75,16 @@ def test_plan_prints_the_per_rank_table_at_full_scale(full_scale):
     assert all(r["files"] == 45 for r in target) and all(140e9 < r["read_bytes"] < 170e9 for r in target)
 
 
+def test_sources_map_decodes_each_view_file_on_its_own():
+    sources = [contract.Source("/ckpt/a.safetensors", 10, 1, 7), contract.Source("/ckpt/b.safetensors", 20, 2, 8)]
+    files = {"x.safetensors": {"t1": (0, 8), "t2": (1, 16)}, "y.safetensors": {"t3": (1, 24)}, "z.safetensors": {}}
+    sources_map = contract.SourcesMap(contract.encode_sources(sources, files))
+    assert sources_map.sources == sources
+    assert {f: {t: tuple(place) for t, place in sources_map.places(f).items()} for f in files} == files
+    with pytest.raises(KeyError):
+        sources_map.places("w.safetensors")
+
+
 @pytest.mark.mount
 def test_full_scale_checkpoint_mounts(full_scale, mount_dir):
     with mounted(full_scale, mount_dir, "--tp-size", 4, "--tp-rank", 0):
@@ -82,3 +96,28 @@ def test_full_scale_checkpoint_mounts(full_scale, mount_dir):
         assert any(".experts." in name for name in header)
         index = json.loads((mount_dir / "target" / "model.safetensors.index.json").read_text())
         assert sorted(set(index["weight_map"].values())) == [p.name for p in shards]
+
+        # The hook's placement of one view file: every tensor of it, with only the source shards
+        # they lie in opened (the map holds all 45 files' tensors).
+        link = DaemonLink()
+        try:
+            placement = link.placement(str(shards[0]))
+            assert set(placement) == set(header) - {"__metadata__"}
+            lie_in = {source.path for source, _ in placement.values()}
+            assert _open_files_under(full_scale) == lie_in and len(lie_in) < len(shards)
+            assert all(0 < offset < os.path.getsize(source.path) for source, offset in placement.values())
+        finally:
+            link.close(set())
+        assert not _open_files_under(full_scale)
+
+
+def _open_files_under(directory) -> set[str]:
+    """The files under `directory` this process has open."""
+    fds = Path("/proc/self/fd")
+    paths = set()
+    for fd in fds.iterdir():
+        try:
+            paths.add(os.readlink(fd))
+        except OSError:  # closed meanwhile (the listing's own)
+            pass
+    return {p for p in paths if p.startswith(str(directory) + os.sep)}
