@@ -87,9 +87,9 @@ class DaemonLink:
                 if map_file not in self._maps:
                     with open(map_file, "rb") as f:
                         self._maps[map_file] = contract.SourcesMap(f.read())
-            sources = self._maps[map_file]
-            places = sources.places(os.path.basename(path))
-            opened = {i: self._open(sources.sources[i]) for i in {i for i, _ in places.values()}}
+            sources_map = self._maps[map_file]
+            places = sources_map.places(os.path.basename(path))
+            opened = {i: self._open(sources_map.sources[i]) for i in {i for i, _ in places.values()}}
         except OSError as exc:
             log.info("rankfs hook: %s: reading through the mount: %s", path, exc)
             return None
