@@ -31,7 +31,7 @@ from rankfs.reader.io import PAGE, align_down, align_up
 
 log = logging.getLogger("rankfs.hook")
 
-PIECE_BYTES = 16 << 20  # a bounce buffer: a run of a slab (rankfs.loader.staged.RUN_BYTES), or rows of many slices
+PIECE_BYTES = 16 << 20  # a bounce buffer: a run of a slab (rankfs.loader.layout.RUN_BYTES), or rows of many slices
 
 
 class _DLDevice(ctypes.Structure):
@@ -237,7 +237,7 @@ class Bounce:
         """Where bytes bound for target[at:at + nbytes] are written: (buffer, position), the
         position congruent to `at` modulo PAGE, with room for the whole pages around them (a
         direct read fills those). They join the bytes waiting in the buffer where nothing else of
-        the slab lies between: a slab gives every read its own pages (rankfs.loader.staged)."""
+        the slab lies between: a slab gives every read its own pages (rankfs.loader.layout)."""
         pending = self._pending
         if pending is not None:
             position = pending.offset + at - pending.begin

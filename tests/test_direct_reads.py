@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from rankfs.contract import Source
-from rankfs.loader.staged import Copy, HostLanding, Run, StagedFile, _cached_jobs, lay_out
+from rankfs.loader.jobs import Copy, cached_jobs, read_run
+from rankfs.loader.landing import HostLanding
+from rankfs.loader.layout import Run, lay_out
 from rankfs.plan.spec import Rows
 from rankfs.plan.extents import Extent
 from rankfs.reader import io
@@ -182,7 +184,7 @@ def test_copies_out_of_the_page_cache_land_each_tensor_as_its_own_read_would(sou
             copies.append(Copy(opened, base + offset, nbytes, at, rows, None))
             at += copies[-1].landed
     landing = HostLanding(SimpleNamespace(tensor=torch.zeros(align_up(at) + PAGE, dtype=torch.uint8)), pool=None)
-    jobs = _cached_jobs(copies, landing, Trace())
+    jobs = cached_jobs(copies, landing, Trace())
     for job in jobs:
         job()
     expected = np.zeros(len(landing.buffer), np.uint8)
@@ -206,9 +208,9 @@ def test_a_source_cut_short_under_cached_copies_is_read_and_named_not_faulted(so
         offset = SIZE - 300_000 + i * 100_000
         at = align_up(at) + offset % PAGE
         run = Run(opened, offset, 50_000, at, (f"t{i}",))
-        copies.append(Copy(opened, offset, 50_000, at, None, functools.partial(StagedFile._read_run, run, landing)))
+        copies.append(Copy(opened, offset, 50_000, at, None, functools.partial(read_run, run, landing)))
         at += 50_000
     os.truncate(opened.path, SIZE - 175_000)
     with pytest.raises(OSError, match=r"tensor 't1': short read"):
-        for job in _cached_jobs(copies, landing, Trace()):
+        for job in cached_jobs(copies, landing, Trace()):
             job()

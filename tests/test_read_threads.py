@@ -118,7 +118,7 @@ def test_a_group_the_loader_needs_sooner_starts_on_a_thread_inside_a_group():
 def test_reads_ahead_are_admitted_in_order_as_the_budget_has_room_or_when_urgent():
     budget = Budget(2)
     pool = OrderedExecutor(4, "test", budget)
-    gate, ran = threading.Event(), []
+    ran = []
     first = [pool.submit(("a", g), ran.append, ("a", g), cost=1) for g in range(2)]  # fills the budget
     for future in first:
         future.result(timeout=10)

@@ -17,7 +17,7 @@ from dev.memstate import uncache
 from rankfs.loader.budget import Budget
 import rankfs.loader.device as device_module
 from rankfs.loader.device import DeviceSlabs
-from rankfs.loader.staged import DeviceLanding
+from rankfs.loader.landing import DeviceLanding
 from rankfs.contract import GIB
 from rankfs.loader.settings import HookSettings, SettingError
 from rankfs.loader.slabs import HostBuffer, SlabPool

@@ -22,7 +22,7 @@ from dev.fixtures import deepseek_v4
 from dev.memstate import MIB, cached_bytes, rss_bytes, uncache
 from rankfs import contract
 from rankfs.loader.guard import SliceMismatch
-from rankfs.loader.staged import DeviceLanding
+from rankfs.loader.landing import DeviceLanding
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.profiles import BY_NAME
