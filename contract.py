@@ -17,6 +17,7 @@ FSTYPE = "fuse.rankfs"
 CONTROL_DIR = ".rankfs"
 STATUS_FILE = "status.json"  # live figures, rendered at open
 SOURCES_DIR = "sources"  # sources/VIEW.json: where each view tensor lies in the source shards
+SOURCES_FORMAT = 2  # JSON lines, a view file's tensors a line (1: one JSON document, before 3303c84)
 COMMAND_FILE = "control"  # write-only: one command per write (below)
 
 # Header metadata of a virtual shard.
@@ -78,8 +79,13 @@ def encode_sources(sources: list[Source], files: dict[str, dict[str, tuple[int, 
     for name, line in zip(files, lines):
         spans[name] = [at, len(line)]
         at += len(line)
-    head = json.dumps({"sources": [s._asdict() for s in sources], "files": spans}).encode() + b"\n"
+    head = json.dumps({"format": SOURCES_FORMAT, "sources": [s._asdict() for s in sources],
+                       "files": spans}).encode() + b"\n"
     return head + b"".join(lines)
+
+
+class SourcesMapError(ValueError):
+    """A sources map this hook cannot read: written by a daemon of another rankfs version."""
 
 
 class SourcesMap:
@@ -91,6 +97,10 @@ class SourcesMap:
         import json
         head, _, self._lines = data.partition(b"\n")
         body = json.loads(head)
+        if not isinstance(body, dict) or body.get("format") != SOURCES_FORMAT:
+            found = body.get("format", 1) if isinstance(body, dict) else "unknown"
+            raise SourcesMapError(f"sources map format {found}, not {SOURCES_FORMAT}: the mount's "
+                                  f"daemon runs another rankfs version")
         self.sources = [Source(**s) for s in body["sources"]]
         self._spans: dict[str, list[int]] = body["files"]
 

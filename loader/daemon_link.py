@@ -66,7 +66,7 @@ class ViewProgress:
 class DaemonLink:
     def __init__(self):
         self._lock = threading.Lock()
-        self._maps: dict[str, contract.SourcesMap] = {}  # sources map file -> its map
+        self._maps: dict[str, contract.SourcesMap | None] = {}  # sources map file -> its map (None: unreadable)
         self._sources: dict[str, OpenFile] = {}  # source path -> the file (checked unchanged at open)
         self.willneed_reach: dict[str, int] = {}  # source path -> bytes one WILLNEED reads
         self._progress: dict[str, ViewProgress] = {}  # view directory path -> its progress
@@ -77,23 +77,36 @@ class DaemonLink:
 
     def placement(self, path: str) -> dict[str, tuple[OpenFile, int]] | None:
         """Where a view file's tensors lie in the source shards, opened: {tensor: (source, offset
-        of its first byte)}. None when the mount does not say, or a source cannot be read here or
-        has changed since it was mounted: the hook then reads the view itself (and the daemon
-        serves it). Only the sources the file's tensors lie in are opened."""
+        of its first byte)}. None when the mount does not say (or says it in another version's
+        format), or a source cannot be read here or has changed since it was mounted: the hook
+        then reads the view itself (and the daemon serves it). Only the sources the file's
+        tensors lie in are opened."""
         mountpoint = self.mount_root(path)
         map_file = contract.sources_path(mountpoint, os.path.relpath(os.path.dirname(path), mountpoint))
         try:
-            with self._lock:
-                if map_file not in self._maps:
-                    with open(map_file, "rb") as f:
-                        self._maps[map_file] = contract.SourcesMap(f.read())
-            sources_map = self._maps[map_file]
+            sources_map = self._sources_map(map_file)
+            if sources_map is None:
+                return None
             places = sources_map.places(os.path.basename(path))
             opened = {i: self._open(sources_map.sources[i]) for i in {i for i, _ in places.values()}}
         except OSError as exc:
             log.info("rankfs hook: %s: reading through the mount: %s", path, exc)
             return None
         return {name: (opened[i], offset) for name, (i, offset) in places.items()}
+
+    def _sources_map(self, map_file: str) -> contract.SourcesMap | None:
+        """A view's sources map, read once per load; None (said once) where this hook cannot read
+        it."""
+        with self._lock:
+            if map_file not in self._maps:
+                with open(map_file, "rb") as f:
+                    data = f.read()
+                try:
+                    self._maps[map_file] = contract.SourcesMap(data)
+                except contract.SourcesMapError as exc:
+                    log.warning("rankfs hook: %s: %s; the views are read through the mount", map_file, exc)
+                    self._maps[map_file] = None
+            return self._maps[map_file]
 
     def _open(self, source: contract.Source) -> OpenFile:
         with self._lock:

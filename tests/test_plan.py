@@ -85,6 +85,19 @@ def test_sources_map_decodes_each_view_file_on_its_own():
         sources_map.places("w.safetensors")
 
 
+def test_a_sources_map_of_another_version_sends_the_hook_through_the_mount(tmp_path, caplog):
+    old = json.dumps({"sources": [], "files": {"x.safetensors": {"t1": [0, 8]}}}).encode() + b"\n"  # format 1
+    with pytest.raises(contract.SourcesMapError, match="format 1, not 2"):
+        contract.SourcesMap(old)
+    map_file = tmp_path / "target.json"
+    map_file.write_bytes(old)
+    link = DaemonLink()
+    assert link._sources_map(str(map_file)) is None
+    map_file.unlink()  # read once per load: asked again, it is not read again
+    assert link._sources_map(str(map_file)) is None
+    assert [r.levelname for r in caplog.records if "another rankfs version" in r.message] == ["WARNING"]
+
+
 @pytest.mark.mount
 def test_full_scale_checkpoint_mounts(full_scale, mount_dir):
     with mounted(full_scale, mount_dir, "--tp-size", 4, "--tp-rank", 0):
