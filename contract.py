@@ -17,7 +17,7 @@ FSTYPE = "fuse.rankfs"
 CONTROL_DIR = ".rankfs"
 STATUS_FILE = "status.json"  # live figures, rendered at open
 SOURCES_DIR = "sources"  # sources/VIEW.json: where each view tensor lies in the source shards
-SOURCES_FORMAT = 2  # JSON lines, a view file's tensors a line (1: one JSON document, before 3303c84)
+SOURCES_FORMAT = 2  # JSON lines, a view file's tensors a line (1: one JSON document, rankfs 0.2 and before)
 COMMAND_FILE = "control"  # write-only: one command per write (below)
 
 # Header metadata of a virtual shard.
