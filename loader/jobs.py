@@ -127,8 +127,7 @@ def _copy_out_of_cache(copies: list[Copy], landing):
     back a few times: a warm EP1 sliced load's read threads ran 31-38 % of their jobs' time on the
     H200 host, waiting the rest. Only the pages the copies read are mapped in: mapping in a job's
     whole span, the other ranks' rows too, cost a warm sliced load on the 2-core VM 4.9-7.5 CPU
-    seconds against 3.7-4.7. Where a
-    source cannot be mapped, each copy is read instead."""
+    seconds against 3.7-4.7. Where a source cannot be mapped, each copy is read instead."""
     maps: dict[OpenFile, tuple[int, memoryview]] = {}
     try:
         for source, (begin, end) in _covering(copies).items():
