@@ -1,10 +1,20 @@
-"""The benchmark's own logic: its profile summary (dev/bench/profile.py), and the check that every
-load got the weights the original shards give (dev/bench/run.py)."""
+"""The benchmark's own logic: its profile summary (dev/bench/profile.py), the check that every
+load got the weights the original shards give (dev/bench/run.py), and the hook's own rate (a load
+with no engine copies, dev/bench/paths.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, mounted
 from dev.bench.profile import summarize
 from dev.bench.run import check_bitwise
+from rankfs.plan.safetensors import read_header
 
 
 def test_a_profile_is_summed_per_thread_group(tmp_path):
@@ -32,3 +42,23 @@ def test_a_load_whose_weights_differ_from_the_originals_is_flagged():
     views_only = [load("rankfs", True, "a")]
     check_bitwise(views_only)
     assert views_only[0]["bitwise"] is None  # nothing read from the originals to compare with
+
+
+@pytest.mark.mount
+def test_the_hook_alone_hands_out_every_tensor_of_the_view_and_keeps_none(large_checkpoint, mount_dir):
+    """The row that bounds the hook's: every tensor of the rank's view handed out through the hook,
+    none copied, and no slab alive at the release. Read into slabs, not mapped from the page cache
+    (which holds the checkpoint just written): the read threads are what the row measures."""
+    args = {"directory": str(mount_dir / "target"), "counts_from": str(large_checkpoint), "device": "cpu",
+            "source": "stock", "hook": True, "copies": False,
+            "layout": {"moe_tp_size": 4, "moe_tp_rank": 1, "ep_size": 1, "ep_rank": 0}}
+    with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+        handed = sum(entry.nbytes for path in sorted((mount_dir / "target").glob("*.safetensors"))
+                     for entry in read_header(path).tensors.values())
+        run = subprocess.run([sys.executable, "-m", "dev.bench.paths", "load"], cwd=ROOT, capture_output=True,
+                             text=True, input=json.dumps(args), timeout=120,
+                             env={**os.environ, "RANKFS_HOOK_MAP": "off"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["bytes"] == handed > 0 and result["copying"] == 0 and "weights_sha256" not in result
+    assert result["release"]["slabs"] > 0 and result["release"]["slabs_alive"] == 0

@@ -19,6 +19,8 @@ threads into preallocated parameters on --device), fed by the path's source:
     view-preads      the limit's O_DIRECT preads over every byte of the view's shards: the daemon's
                      request rate, as readers of their own with O_DIRECT get it (runai-model-streamer)
     rankfs + hook    the same, under the hook (rankfs run): tensors read from the sources directly
+    hook-alone       the hook handing the rank's tensors to a loop that drops them (no engine
+                     copies): the hook's own rate, which bounds the row above as the ceiling does
     <peer>           each peer as an engine uses it as a load format, on the originals and on the view
 
 It prints, per case and mode, seconds, GB/s of the rank's bytes, the ratio to the limit, time to
@@ -61,7 +63,7 @@ CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), a
     "ep1-sliced": (4, 1, 1),
 }
 PEERS = ("instanttensor", "fastsafetensors", "runai")
-PATHS = ("limit", "ceiling", "stock", "rankfs", "view-preads", "hook", "peers", "peers-on-view")
+PATHS = ("limit", "ceiling", "stock", "rankfs", "view-preads", "hook", "hook-alone", "peers", "peers-on-view")
 # What each mount's daemon did for a row (a fresh mount per row): how the bytes reached the loader.
 DAEMON_COUNTERS = ("read_bytes", "pushed_bytes", "pushed_fill_bytes", "requests", "request_bytes", "fill_bytes",
                    "demand_loads", "prefetch_loads")
@@ -291,6 +293,9 @@ class Bench:
                     lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec)
         if "hook" in paths:
             measure("rankfs + hook", "load", lambda mnt: self.load_args(mnt / "target", spec, hook=True), spec)
+        if "hook-alone" in paths:
+            measure("rankfs + hook, no engine copies", "load",
+                    lambda mnt: self.load_args(mnt / "target", spec, hook=True, copies=False), spec)
         for peer in self.peers if {"peers", "peers-on-view"} & paths else ():
             if peer == "instanttensor" and not cuda:
                 continue
