@@ -16,7 +16,7 @@ import numpy as np
 from rankfs.loader.landing import DeviceLanding, HostLanding
 from rankfs.loader.layout import RUN_BYTES, Run
 from rankfs.plan.spec import Rows
-from rankfs.reader.io import PAGE, OpenFile, align_up, anonymous_map
+from rankfs.reader.io import PAGE, OpenFile, align_up, anonymous_map, short_read
 
 ROWS_BYTES = 8 << 20  # whole rows of a slice read at once
 SMALL_READ_BYTES = 4 << 20  # a group's reads under this on average are CPU work when cached
@@ -45,13 +45,15 @@ class Copy(NamedTuple):
 def batches(reads: list[tuple[str, int, int, functools.partial]], landing, trace) -> list:
     """Reads (path, offset, bytes, read) in file order, as jobs of RUN_BYTES or more each: a job per
     small read would cost more in hand-offs between threads than the read (sliced experts' blocks
-    are a few MB). A job ends once what it read has landed or, on the GPU, its uploads are queued:
-    the group's end waits for them (`filled`)."""
+    are a few MB); as many times that as a thread's ring holds reads in flight. A job ends once
+    what it read has landed or, on the GPU, its uploads are queued: the group's end waits for them
+    (`filled`)."""
     jobs, batch, size = [], [], 0
+    job_bytes = RUN_BYTES * (landing.reads_in_flight if landing is not None else 1)
     for *_, nbytes, read in reads:
         batch.append(read)
         size += nbytes
-        if size >= RUN_BYTES:
+        if size >= job_bytes:
             jobs.append((batch, size))
             batch, size = [], 0
     if batch:
@@ -207,11 +209,7 @@ def read_run(run: Run, landing: HostLanding | DeviceLanding):
     where = f"{run.source.path}: tensor {run.first!r}"
     piece = landing.piece or run.length
     for begin in range(0, run.length, piece):
-        nbytes = min(piece, run.length - begin)
-        spot = landing.place(run.at + begin, nbytes)
-        if run.source.read_into(spot.buffer, spot.at, run.offset + begin, nbytes, where) < nbytes:
-            raise _short_read(run.source.path, run.first, run.offset + begin)
-        landing.landed(spot)
+        landing.read(run.source, run.offset + begin, min(piece, run.length - begin), run.at + begin, where)
 
 
 def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLanding | DeviceLanding,
@@ -257,7 +255,7 @@ def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: Host
         skip = offset % PAGE
         if source.read_into(whole_rows, skip, offset, count * rows.row_bytes, f"{source.path}: tensor {name!r}") \
                 < count * rows.row_bytes:
-            raise _short_read(source.path, name, offset)
+            raise short_read(f"{source.path}: tensor {name!r}", offset)
         if first % per_spot == 0:
             if spot is not None:
                 landing.landed(spot)
@@ -266,6 +264,3 @@ def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: Host
                       spot.at + first * kept - (spot.slab_at - at))
     landing.landed(spot)
 
-
-def _short_read(where: str, name: str, offset: int) -> OSError:
-    return OSError(f"{where}: tensor {name!r}: short read at offset {offset}; the file was truncated")

@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from rankfs.loader.device import PIECE_BYTES, DeviceSlabs
+from rankfs.loader.device import PIECE_BYTES, DeviceSlabs, RingBounce
 from rankfs.loader.slabs import Slab
+from rankfs.reader.io import OpenFile, short_read
 
 
 class Spot(NamedTuple):
@@ -24,6 +25,7 @@ class HostLanding:
     """Reads land in a host slab in place; it is page-locked once full, where the pool pins."""
 
     piece = None  # a run in one read
+    reads_in_flight = 1  # a read thread's at once
 
     def __init__(self, slab: Slab, pool):
         self.slab, self.pool = slab, pool
@@ -34,6 +36,11 @@ class HostLanding:
 
     def landed(self, spot: Spot):
         pass
+
+    def read(self, source: OpenFile, offset: int, nbytes: int, at: int, what: str):
+        """Bytes [offset, offset + nbytes) of source into the slab at `at`."""
+        if source.read_into(self.buffer, at, offset, nbytes, what) < nbytes:
+            raise short_read(what, offset)
 
     def flush(self):
         pass
@@ -50,6 +57,7 @@ class DeviceLanding:
 
     def __init__(self, slab: Slab, device: DeviceSlabs):
         self.slab, self.device = slab, device
+        self.reads_in_flight = max(1, device.ring_depth)
         self._sent: list[torch.cuda.Event] = []  # each job's uploads, from the thread that ran it
 
     def place(self, at: int, nbytes: int) -> Spot:
@@ -58,6 +66,18 @@ class DeviceLanding:
 
     def landed(self, spot: Spot):
         self.device.bounce().landed(spot.slab_at, spot.nbytes)
+
+    def read(self, source: OpenFile, offset: int, nbytes: int, at: int, what: str):
+        """Bytes [offset, offset + nbytes) of source, bound for the slab at `at`: read into a bounce
+        buffer now, or handed to the thread's ring (rankfs.loader.device.RingBounce)."""
+        bounce = self.device.bounce()
+        if isinstance(bounce, RingBounce):
+            bounce.read(self.slab.tensor, at, nbytes, source, offset, what)
+            return
+        spot = self.place(at, nbytes)
+        if source.read_into(spot.buffer, spot.at, offset, nbytes, what) < nbytes:
+            raise short_read(what, offset)
+        self.landed(spot)
 
     def flush(self):
         sent = self.device.bounce().send()
