@@ -411,7 +411,8 @@ class DeviceSlabs:
         self._lock = threading.Lock()
 
     def prepare_bounces(self, threads: int):
-        """A load starts: make its read threads' bounce buffers (two each) ahead."""
+        """A load starts: make its read threads' bounce buffers (two each, or as many as a ring
+        holds reads in flight) ahead."""
         with self._lock:
             if self._buffers is None:
                 self._buffers = BounceBuffers(max(2, self.ring_depth) * threads, pin=self.device.type == "cuda")

@@ -263,4 +263,3 @@ def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: Host
         _copy_strided(rows._replace(count=count), 1, 0, 0, whole_rows, skip, spot.buffer,
                       spot.at + first * kept - (spot.slab_at - at))
     landing.landed(spot)
-
