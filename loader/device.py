@@ -469,7 +469,8 @@ class DeviceSlabs:
 
 def ring_depth(setting: int) -> int:
     """Reads in flight per read thread through io_uring (RANKFS_HOOK_RING), 0 where the kernel
-    gives this process no io_uring (disabled, or refused by a container's seccomp profile)."""
+    gives this process no io_uring (disabled, refused by a container's seccomp profile, or a
+    machine other than x86-64: rankfs.reader.uring)."""
     if setting and not uring_available():
         log.warning("rankfs hook: RANKFS_HOOK_RING=%d, but io_uring is not available here; reading with preadv",
                     setting)

@@ -7,17 +7,20 @@ threads of preadv would each make their copy themselves and take the GIL back af
     ring.submit(wait=1)                             # handed to the kernel; waits for one to complete
     for tag, result in ring.completed(): ...        # result: bytes read, or -errno
 
-One ring per thread: nothing here is locked. x86-64 and aarch64 (their system call numbers).
+One ring per thread: nothing here is locked. x86-64 only: the rings are shared memory with the
+kernel, read and written here with plain loads and stores, whose order x86-64 keeps; aarch64 would
+need barriers that Python cannot make.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import platform
 
-_SYSCALLS = {"x86_64": (425, 426), "aarch64": (425, 426)}  # io_uring_setup, io_uring_enter
+_SYSCALLS = {"x86_64": (425, 426)}  # io_uring_setup, io_uring_enter
 _OP_READ = 22
 _SQE_ASYNC = 1 << 4  # run in a kernel worker even where the data is cached: copies in parallel
 _ENTER_GETEVENTS = 1
@@ -66,6 +69,8 @@ def available() -> bool:
 
 
 class Ring:
+    """An io_uring of `entries` reads in flight at most (rounded up to a power of two)."""
+
     def __init__(self, entries: int):
         calls = _SYSCALLS.get(platform.machine())
         if calls is None:
@@ -111,8 +116,12 @@ class Ring:
         wait = min(wait, self.in_flight)
         if not self._queued and not wait:
             return
-        done = _libc.syscall(ctypes.c_long(self._enter), ctypes.c_long(self.fd), ctypes.c_long(self._queued),
-                             ctypes.c_long(wait), ctypes.c_long(_ENTER_GETEVENTS if wait else 0), None, ctypes.c_long(0))
+        while True:
+            done = _libc.syscall(ctypes.c_long(self._enter), ctypes.c_long(self.fd), ctypes.c_long(self._queued),
+                                 ctypes.c_long(wait), ctypes.c_long(_ENTER_GETEVENTS if wait else 0), None,
+                                 ctypes.c_long(0))
+            if done >= 0 or ctypes.get_errno() != errno.EINTR:  # a signal: ask again
+                break
         if done < 0:
             raise OSError(ctypes.get_errno(), "io_uring_enter failed")
         self._queued -= done
