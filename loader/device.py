@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from rankfs.loader.slabs import HostBuffer, Slab, SlabPool
-from rankfs.reader.io import PAGE, OpenFile, align_down, align_up, short_read
+from rankfs.reader.io import PAGE, OpenFile, align_down, align_up
 from rankfs.reader.uring import Ring
 from rankfs.reader.uring import available as uring_available
 
@@ -259,6 +259,13 @@ class Bounce:
         """The bytes placed for target[at:at + nbytes] are written."""
         self._pending.end = at + nbytes
 
+    def read(self, target: torch.Tensor, at: int, nbytes: int, source: OpenFile, offset: int, what: str):
+        """Bytes [offset, offset + nbytes) of source, bound for target[at:at + nbytes], read into
+        a buffer now."""
+        buffer, position = self.place(target, at, nbytes)
+        source.read_whole(buffer, position, offset, nbytes, what)
+        self.landed(at, nbytes)
+
     def send(self) -> torch.cuda.Event | None:
         """Upload what waits; returns an event that completes with every upload queued so far
         (None where there is no stream: the copy was made)."""
@@ -375,11 +382,10 @@ class RingBounce(Bounce):
                     raise OSError(-result, f"{what}: read at offset {plan.start} failed: {os.strerror(-result)}")
                 if result == -errno.EINVAL:  # a device whose blocks are larger than a page
                     source.stop_direct(plan.fd)
-                if plan.wanted(result) < nbytes and source.read_into(
-                        memoryview(self.buffers[index].map), position, offset, nbytes, what) < nbytes:
-                    raise short_read(what, offset)
-            except OSError as exc:
-                error = error or exc
+                if plan.wanted(result) < nbytes:
+                    source.read_whole(memoryview(self.buffers[index].map), position, offset, nbytes, what)
+            except OSError as exc:  # raised once every completion is taken; its frames would keep a buffer mapped
+                error = error or exc.with_traceback(None)
             if not self._in_buffer[index] and index in self._sealed:
                 self._upload_piece(self._sealed.pop(index))
         if error is not None:

@@ -16,7 +16,7 @@ import numpy as np
 from rankfs.loader.landing import DeviceLanding, HostLanding
 from rankfs.loader.layout import RUN_BYTES, Run
 from rankfs.plan.spec import Rows
-from rankfs.reader.io import PAGE, OpenFile, align_up, anonymous_map, short_read
+from rankfs.reader.io import PAGE, OpenFile, align_up, anonymous_map
 
 ROWS_BYTES = 8 << 20  # whole rows of a slice read at once
 SMALL_READ_BYTES = 4 << 20  # a group's reads under this on average are CPU work when cached
@@ -253,9 +253,7 @@ def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: Host
         count = min(per_read, rows.count - first)
         offset = begin + first * rows.row_bytes
         skip = offset % PAGE
-        if source.read_into(whole_rows, skip, offset, count * rows.row_bytes, f"{source.path}: tensor {name!r}") \
-                < count * rows.row_bytes:
-            raise short_read(f"{source.path}: tensor {name!r}", offset)
+        source.read_whole(whole_rows, skip, offset, count * rows.row_bytes, f"{source.path}: tensor {name!r}")
         if first % per_spot == 0:
             if spot is not None:
                 landing.landed(spot)

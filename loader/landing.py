@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from rankfs.loader.device import PIECE_BYTES, DeviceSlabs, RingBounce
+from rankfs.loader.device import PIECE_BYTES, DeviceSlabs
 from rankfs.loader.slabs import Slab
-from rankfs.reader.io import OpenFile, short_read
+from rankfs.reader.io import OpenFile
 
 
 class Spot(NamedTuple):
@@ -39,8 +39,7 @@ class HostLanding:
 
     def read(self, source: OpenFile, offset: int, nbytes: int, at: int, what: str):
         """Bytes [offset, offset + nbytes) of source into the slab at `at`."""
-        if source.read_into(self.buffer, at, offset, nbytes, what) < nbytes:
-            raise short_read(what, offset)
+        source.read_whole(self.buffer, at, offset, nbytes, what)
 
     def flush(self):
         pass
@@ -70,14 +69,7 @@ class DeviceLanding:
     def read(self, source: OpenFile, offset: int, nbytes: int, at: int, what: str):
         """Bytes [offset, offset + nbytes) of source, bound for the slab at `at`: read into a bounce
         buffer now, or handed to the thread's ring (rankfs.loader.device.RingBounce)."""
-        bounce = self.device.bounce()
-        if isinstance(bounce, RingBounce):
-            bounce.read(self.slab.tensor, at, nbytes, source, offset, what)
-            return
-        spot = self.place(at, nbytes)
-        if source.read_into(spot.buffer, spot.at, offset, nbytes, what) < nbytes:
-            raise short_read(what, offset)
-        self.landed(spot)
+        self.device.bounce().read(self.slab.tensor, at, nbytes, source, offset, what)
 
     def flush(self):
         sent = self.device.bounce().send()

@@ -93,7 +93,8 @@ class HookSettings:
                  slab_bytes: int = 256 << 20, budget_bytes: int | None = None, threads: int = 8,
                  ring_depth: int = 0, trace_file: str | None = None):
         self.mode, self.map_sources, self.device, self.slab_bytes = mode, map_sources, device, slab_bytes
-        self.budget_bytes, self.threads, self.ring_depth, self.trace_file = budget_bytes, threads, ring_depth, trace_file
+        self.budget_bytes, self.threads, self.ring_depth = budget_bytes, threads, ring_depth
+        self.trace_file = trace_file
 
     def budget_for(self, host_slabs: bool) -> int:
         """The bytes read ahead (RANKFS_HOOK_INFLIGHT_GB). Unset: 4 GiB, and where slabs are host

@@ -260,7 +260,12 @@ class OpenFile:
                 break
         return plan.wanted(done)
 
-    def read_plan(self, offset: int, length: int) -> "ReadPlan":
+    def read_whole(self, buffer: memoryview, at: int, offset: int, length: int, what: str):
+        """`read_into`, every byte or an error: a file cut short since it was opened names `what`."""
+        if self.read_into(buffer, at, offset, length, what) < length:
+            raise OSError(f"{what}: short read at offset {offset}; the file was truncated")
+
+    def read_plan(self, offset: int, length: int) -> ReadPlan:
         """How bytes [offset, offset + length) are read: direct unless the page cache holds them all
         (a buffered read of pages it does not hold is announced, for `drop_added`)."""
         direct_fd = self.direct_fd
@@ -299,11 +304,6 @@ class OpenFile:
             if fd is not None and fd >= 0:
                 os.close(fd)
         self.fd, self.direct_fd, self._retired_fd = -1, None, None
-
-
-def short_read(what: str, offset: int) -> OSError:
-    """A read that ended before the bytes wanted: `what` names the file and tensor."""
-    return OSError(f"{what}: short read at offset {offset}; the file was truncated")
 
 
 def read_exactly(fd: int, target: memoryview, offset: int, what: str) -> int:
