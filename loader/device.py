@@ -346,8 +346,7 @@ class RingBounce(Bounce):
         self._in_buffer[index] += 1
         self.ring.read(plan.fd, self.tensors[index].data_ptr() + position - plan.skip, plan.nbytes, plan.start, tag)
         self.landed(at, nbytes)
-        self.ring.submit()
-        self._reap(0)
+        self._reap(0)  # hands it to the kernel, and uploads what is in
 
     def send(self) -> torch.cuda.Event | None:
         self._upload()
