@@ -19,10 +19,7 @@ back to CUDA's allocator, only after a device synchronization that followed its 
 from __future__ import annotations
 
 import ctypes
-import errno
-import itertools
 import logging
-import os
 import queue
 import threading
 from typing import Callable
@@ -31,8 +28,6 @@ import torch
 
 from rankfs.loader.slabs import HostBuffer, Slab, SlabPool
 from rankfs.reader.io import PAGE, OpenFile, align_down, align_up
-from rankfs.reader.uring import Ring
-from rankfs.reader.uring import available as uring_available
 
 log = logging.getLogger("rankfs.hook")
 
@@ -225,16 +220,16 @@ class Bounce:
     Reads that come next to each other in a slab share an upload while they fit: each upload takes
     the GIL a few times, which the loader's loop waits for."""
 
-    def __init__(self, device: torch.device, buffers: BounceBuffers, count: int = 2):
+    def __init__(self, device: torch.device, buffers: BounceBuffers):
         """Made on the read thread it serves: its stream becomes the thread's current one."""
         self.supply = buffers  # where its buffers come from
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.stream is not None:
             torch.cuda.set_stream(self.stream)  # no stream context per upload: fewer calls that take the GIL
-        self.buffers: list[HostBuffer | None] = [None] * count
-        self.tensors: list[torch.Tensor | None] = [None] * count  # uint8 views of the buffers, to copy from
+        self.buffers: list[HostBuffer | None] = [None, None]
+        self.tensors: list[torch.Tensor | None] = [None, None]  # uint8 views of the buffers, to copy from
         # Each buffer's last upload (waiting on one never recorded returns at once).
-        self.uploads = [torch.cuda.Event() for _ in range(count)] if self.stream is not None else []
+        self.uploads = [torch.cuda.Event(), torch.cuda.Event()] if self.stream is not None else []
         self.turn = 0
         self._pending: _Pending | None = None
 
@@ -318,94 +313,12 @@ class Bounce:
             self._close(i)
 
 
-class RingBounce(Bounce):
-    """A read thread's bounce buffers filled by io_uring: up to `count` reads in flight at once,
-    each copied by a kernel worker, each buffer uploaded once its reads are in. A Python thread's
-    own copies out of the page cache (preadv) stage 4-6 GB/s each on the H200 host, and threads
-    added beyond eight wait on the driver and the GIL in their uploads (docs/benchmark.md,
-    thirty-second session)."""
-
-    def __init__(self, device: torch.device, buffers: BounceBuffers, count: int):
-        super().__init__(device, buffers, count)
-        self.ring = Ring(2 * count)
-        self._reads: dict[int, tuple] = {}  # tag -> what a read in flight is for
-        self._in_buffer = [0] * count  # reads in flight, per buffer
-        self._sealed: dict[int, _Pending] = {}  # buffers closed to new reads, uploaded once theirs are in
-        self._tags = itertools.count()
-
-    def read(self, target: torch.Tensor, at: int, nbytes: int, source: OpenFile, offset: int, what: str):
-        """Bytes [offset, offset + nbytes) of source, bound for target[at:at + nbytes]: handed to the
-        ring, uploaded once in (`send` waits for them)."""
-        _, position = self.place(target, at, nbytes)
-        index = self._pending.index
-        plan = source.read_plan(offset, nbytes)
-        while self.ring.in_flight >= self.ring.entries:
-            self._reap(1)
-        tag = next(self._tags)
-        self._reads[tag] = (index, position, source, offset, nbytes, plan, what)
-        self._in_buffer[index] += 1
-        self.ring.read(plan.fd, self.tensors[index].data_ptr() + position - plan.skip, plan.nbytes, plan.start, tag)
-        self.landed(at, nbytes)
-        self._reap(0)  # hands it to the kernel, and uploads what is in
-
-    def send(self) -> torch.cuda.Event | None:
-        self._upload()
-        while self.ring.in_flight:
-            self._reap(1)
-        return super().send()
-
-    def _take(self, nbytes: int) -> int:
-        while self._in_buffer[self.turn]:  # its last reads, then their upload, before it is written again
-            self._reap(1)
-        return super()._take(nbytes)
-
-    def _upload(self):
-        pending = self._pending
-        if pending is not None and self._in_buffer[pending.index]:
-            self._pending = None
-            self._sealed[pending.index] = pending
-            return
-        super()._upload()
-
-    def _reap(self, wait: int):
-        """Take the reads completed (waiting for `wait` of them), and upload each buffer whose
-        reads are all in. A read the ring could not make whole is made again with preadv, which
-        falls back to buffered reads where direct ones are refused and names a truncated file."""
-        self.ring.submit(wait)
-        error = None
-        for tag, result in self.ring.completed():
-            index, position, source, offset, nbytes, plan, what = self._reads.pop(tag)
-            self._in_buffer[index] -= 1
-            try:
-                if result < 0 and not (result == -errno.EINVAL and plan.direct):
-                    raise OSError(-result, f"{what}: read at offset {plan.start} failed: {os.strerror(-result)}")
-                if result == -errno.EINVAL:  # a device whose blocks are larger than a page
-                    source.stop_direct(plan.fd)
-                if plan.wanted(result) < nbytes:
-                    source.read_whole(memoryview(self.buffers[index].map), position, offset, nbytes, what)
-            except OSError as exc:  # raised once every completion is taken; its frames would keep a buffer mapped
-                error = error or exc.with_traceback(None)
-            if not self._in_buffer[index] and index in self._sealed:
-                self._upload_piece(self._sealed.pop(index))
-        if error is not None:
-            raise error
-
-    def close(self):
-        try:
-            super().close()
-        finally:
-            self.ring.close()
-
-
 class DeviceSlabs:
     """GPU slabs, filled through the read threads' bounce buffers; their buffers are reused as host
     buffers are (rankfs.loader.slabs)."""
 
-    def __init__(self, device: torch.device, slab_bytes: int, budget, wanted, retire, ring_depth: int = 0):
-        """`ring_depth`: reads in flight per read thread through io_uring (RingBounce); 0: one at a
-        time, with preadv."""
+    def __init__(self, device: torch.device, slab_bytes: int, budget, wanted, retire):
         self.device = device
-        self.ring_depth = ring_depth
         self.fence = Fence(device)
         self.pool = SlabPool(slab_bytes, budget, pin=False, wanted=wanted, retire=retire,
                              make=lambda nbytes: DeviceBuffer(nbytes, self.fence))
@@ -416,11 +329,10 @@ class DeviceSlabs:
         self._lock = threading.Lock()
 
     def prepare_bounces(self, threads: int):
-        """A load starts: make its read threads' bounce buffers (two each, or as many as a ring
-        holds reads in flight) ahead."""
+        """A load starts: make its read threads' bounce buffers (two each) ahead."""
         with self._lock:
             if self._buffers is None:
-                self._buffers = BounceBuffers(max(2, self.ring_depth) * threads, pin=self.device.type == "cuda")
+                self._buffers = BounceBuffers(2 * threads, pin=self.device.type == "cuda")
 
     @property
     def staged_on(self) -> str:
@@ -448,8 +360,7 @@ class DeviceSlabs:
         bounce = self._bounces.get(key)
         if bounce is None:
             # Made outside the lock: the threads start together.
-            bounce = (RingBounce(self.device, self._buffers, self.ring_depth) if self.ring_depth
-                      else Bounce(self.device, self._buffers))
+            bounce = Bounce(self.device, self._buffers)
             with self._lock:
                 self._bounces[key] = bounce
         return bounce
@@ -470,17 +381,6 @@ class DeviceSlabs:
         with self._lock:
             idle = self._buffers.idle_bytes if self._buffers is not None and self._buffers.pin else 0
             return idle + sum(b.nbytes for b in self._bounces.values() if b.stream is not None)
-
-
-def ring_depth(setting: int) -> int:
-    """Reads in flight per read thread through io_uring (RANKFS_HOOK_RING), 0 where the kernel
-    gives this process no io_uring (disabled, refused by a container's seccomp profile, or a
-    machine other than x86-64: rankfs.reader.uring)."""
-    if setting and not uring_available():
-        log.warning("rankfs hook: RANKFS_HOOK_RING=%d, but io_uring is not available here; reading with preadv",
-                    setting)
-        return 0
-    return setting
 
 
 def loading_device(setting: str) -> torch.device | None:

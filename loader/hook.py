@@ -21,7 +21,7 @@ from rankfs import contract
 from rankfs.loader import memory, routing
 from rankfs.loader.budget import Budget
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
-from rankfs.loader.device import DeviceSlabs, loading_device, ring_depth
+from rankfs.loader.device import DeviceSlabs, loading_device
 from rankfs.loader.mapped import MappedFile
 from rankfs.loader.ordered import OrderedExecutor
 from rankfs.loader.settings import HookSettings, rank_override
@@ -57,8 +57,7 @@ class Hook:
         self.slabs = SlabPool(settings.slab_bytes, self.budget, pin=cuda, wanted=self._slabs_wanted,
                               retire=self._retire)
         self.on_device = None if device is None else DeviceSlabs(device, settings.slab_bytes, self.budget,
-                                                                 wanted=self._slabs_wanted, retire=self._retire,
-                                                                 ring_depth=ring_depth(settings.ring_depth))
+                                                                 wanted=self._slabs_wanted, retire=self._retire)
         self.link = DaemonLink()
         self.trace = Trace(settings.trace_file)
         self.executor: OrderedExecutor | None = None  # reads into slabs

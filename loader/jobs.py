@@ -45,15 +45,14 @@ class Copy(NamedTuple):
 def batches(reads: list[tuple[str, int, int, functools.partial]], landing, trace) -> list:
     """Reads (path, offset, bytes, read) in file order, as jobs of RUN_BYTES or more each: a job per
     small read would cost more in hand-offs between threads than the read (sliced experts' blocks
-    are a few MB); as many times that as a thread's ring holds reads in flight. A job ends once
+    are a few MB). A job ends once
     what it read has landed or, on the GPU, its uploads are queued: the group's end waits for them
     (`filled`)."""
     jobs, batch, size = [], [], 0
-    job_bytes = RUN_BYTES * (landing.reads_in_flight if landing is not None else 1)
     for *_, nbytes, read in reads:
         batch.append(read)
         size += nbytes
-        if size >= job_bytes:
+        if size >= RUN_BYTES:
             jobs.append((batch, size))
             batch, size = [], 0
     if batch:

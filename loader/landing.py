@@ -25,7 +25,6 @@ class HostLanding:
     """Reads land in a host slab in place; it is page-locked once full, where the pool pins."""
 
     piece = None  # a run in one read
-    reads_in_flight = 1  # a read thread's at once
 
     def __init__(self, slab: Slab, pool):
         self.slab, self.pool = slab, pool
@@ -56,7 +55,6 @@ class DeviceLanding:
 
     def __init__(self, slab: Slab, device: DeviceSlabs):
         self.slab, self.device = slab, device
-        self.reads_in_flight = max(1, device.ring_depth)
         self._sent: list[torch.cuda.Event] = []  # each job's uploads, from the thread that ran it
 
     def place(self, at: int, nbytes: int) -> Spot:
@@ -67,8 +65,8 @@ class DeviceLanding:
         self.device.bounce().landed(spot.slab_at, spot.nbytes)
 
     def read(self, source: OpenFile, offset: int, nbytes: int, at: int, what: str):
-        """Bytes [offset, offset + nbytes) of source, bound for the slab at `at`: read into a bounce
-        buffer now, or handed to the thread's ring (rankfs.loader.device.RingBounce)."""
+        """Bytes [offset, offset + nbytes) of source, bound for the slab at `at`, through a bounce
+        buffer."""
         self.device.bounce().read(self.slab.tensor, at, nbytes, source, offset, what)
 
     def flush(self):

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from rankfs.contract import Source
-from rankfs.loader.device import PIECE_BYTES, BounceBuffers, RingBounce
 from rankfs.loader.jobs import Copy, cached_jobs, read_run
 from rankfs.loader.landing import HostLanding
 from rankfs.loader.layout import Run, lay_out
@@ -215,25 +214,3 @@ def test_a_source_cut_short_under_cached_copies_is_read_and_named_not_faulted(so
     with pytest.raises(OSError, match=r"tensor 't1': short read"):
         for job in cached_jobs(copies, landing, Trace()):
             job()
-
-
-def test_reads_handed_to_a_ring_land_where_each_belongs_and_a_cut_short_one_is_named(source):
-    """A read thread's io_uring (RANKFS_HOOK_RING): pieces of runs, cached and not (direct), more
-    in flight than the thread has buffers, each uploaded to its place once its reads are in (host
-    memory standing in for the GPU's); a read that comes short names its tensor."""
-    opened, data = source
-    os.pread(opened.fd, SIZE // 2, 0)  # the first half cached, the second read direct
-    bounce = RingBounce(torch.device("cpu"), BounceBuffers(2, pin=False), count=2)
-    target = torch.zeros(SIZE, dtype=torch.uint8)
-    try:
-        pieces = [(offset, min(PIECE_BYTES // 4, SIZE - offset)) for offset in range(0, SIZE, PIECE_BYTES // 4)]
-        for offset, nbytes in pieces:
-            bounce.read(target, offset, nbytes, opened, offset, f"{opened.path}: tensor 'piece {offset}'")
-        bounce.send()
-        assert bytes(target.numpy()) == data and page_cache_holds(opened.fd, SIZE // 2, SIZE) is False
-        os.truncate(opened.path, SIZE - PAGE)
-        with pytest.raises(OSError, match=r"tensor 'last': short read"):
-            bounce.read(target, 0, 2 * PAGE, opened, SIZE - 2 * PAGE, f"{opened.path}: tensor 'last'")
-            bounce.send()
-    finally:
-        bounce.close()

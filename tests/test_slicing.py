@@ -426,18 +426,15 @@ def test_loads_into_host_memory_map_the_files_the_page_cache_holds_and_read_the_
 
 
 @pytest.mark.mount
-@pytest.mark.parametrize("ring", [0, 4], ids=["preadv", "io_uring"])
 @pytest.mark.parametrize("sources", ["cached", "uncached"])
 def test_groups_staged_on_a_device_arrive_through_bounce_buffers_piece_by_piece(tiny_checkpoint, mount_dir,
-                                                                                monkeypatch, sources, ring):
+                                                                                monkeypatch, sources):
     """The GPU path's data movement, with host memory standing in for the GPU's (the CUDA copies are
     checked on the GPU host by `python3 -m dev gpu-load`): runs read in pieces (direct reads where the
     page cache does not hold them, each at its place within a page) and rows of slices compacted
     into a thread's two bounce buffers in turn, each piece uploaded to its place in the group's
-    slab. The load's bytes are the stock load's; after the release nothing is held. With a ring
-    (RANKFS_HOOK_RING), each thread has four reads in flight through io_uring."""
+    slab. The load's bytes are the stock load's; after the release nothing is held."""
     monkeypatch.setattr(hook_module, "loading_device", lambda setting: torch.device("cpu"))
-    monkeypatch.setenv("RANKFS_HOOK_RING", str(ring))
     monkeypatch.setattr(DeviceLanding, "piece", 64 << 10)  # many pieces per run, and runs ending mid-piece
     monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
     layout = engine_layout(4, 1, 1)
@@ -452,7 +449,6 @@ def test_groups_staged_on_a_device_arrive_through_bounce_buffers_piece_by_piece(
             got = load_like_engine(mount_dir / "target", layout, tiny_checkpoint, counts)
             hook = loader.current()
             assert hook.on_device.pool.stats.slabs > 0 and hook.slabs.stats.slabs == 0  # every group on the device
-            assert hook.on_device.ring_depth == ring
             assert_same(got, want)
             del got
             figures = loader.release("target")
