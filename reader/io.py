@@ -11,7 +11,6 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import NamedTuple
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in (reading it if needed), or fail with EFAULT
@@ -134,21 +133,6 @@ def joined_pages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return joined
 
 
-class ReadPlan(NamedTuple):
-    """A read of `length` bytes as the file is read: `nbytes` from `start` through `fd`, the bytes
-    wanted `skip` bytes into them (a direct read fills whole pages)."""
-    fd: int
-    start: int
-    nbytes: int
-    skip: int
-    length: int
-    direct: bool
-
-    def wanted(self, done: int) -> int:
-        """Of `done` bytes read, how many are the bytes wanted."""
-        return max(0, min(done - self.skip, self.length))
-
-
 class OpenFile:
     """A file opened for exact reads of large ranges: buffered without readahead, and, where the
     filesystem allows, direct (O_DIRECT) for ranges the page cache does not hold, so that a read
@@ -241,43 +225,35 @@ class OpenFile:
         many, fewer only at the end of the file. Direct unless the page cache holds them all; a
         direct read fills buffer[align_down(at):align_up(at + length)], so `at` must be congruent to
         `offset` modulo PAGE and the buffer start on a page."""
-        plan = self.read_plan(offset, length)
-        if not plan.direct:
+        direct_fd = self.direct_fd
+        cached = self.cached(offset, offset + length)
+        if cached or direct_fd is None:
+            if not cached:  # pages this read may add to the cache
+                self.reading_through_cache(offset, offset + length)
             return read_exactly(self.fd, buffer[at:at + length], offset, what)
-        window = buffer[at - plan.skip:at - plan.skip + plan.nbytes]
+        skip = offset - align_down(offset)
+        window = buffer[at - skip:align_up(at + length)]
         done = 0
         while done < len(window):
             try:
-                n = os.preadv(plan.fd, [window[done:]], plan.start + done)
+                n = os.preadv(direct_fd, [window[done:]], offset - skip + done)
             except OSError as exc:
                 if exc.errno == errno.EINVAL and not done:  # a device whose blocks are larger than a page
-                    self.stop_direct(plan.fd)
+                    self._stop_direct(direct_fd)
                     return self.read_into(buffer, at, offset, length, what)
-                raise OSError(exc.errno, f"{what}: read at offset {plan.start + done} failed: "
+                raise OSError(exc.errno, f"{what}: read at offset {offset - skip + done} failed: "
                                          f"{exc.strerror}") from None
             done += n
             if n == 0 or n % PAGE:  # the end of the file
                 break
-        return plan.wanted(done)
+        return max(0, min(done - skip, length))
 
     def read_whole(self, buffer: memoryview, at: int, offset: int, length: int, what: str):
         """`read_into`, every byte or an error: a file cut short since it was opened names `what`."""
         if self.read_into(buffer, at, offset, length, what) < length:
             raise OSError(f"{what}: short read at offset {offset}; the file was truncated")
 
-    def read_plan(self, offset: int, length: int) -> ReadPlan:
-        """How bytes [offset, offset + length) are read: direct unless the page cache holds them all
-        (a buffered read of pages it does not hold is announced, for `drop_added`)."""
-        direct_fd = self.direct_fd
-        cached = self.cached(offset, offset + length)
-        if cached or direct_fd is None:
-            if not cached:  # pages this read may add to the cache
-                self.reading_through_cache(offset, offset + length)
-            return ReadPlan(self.fd, offset, length, 0, length, False)
-        skip = offset - align_down(offset)
-        return ReadPlan(direct_fd, offset - skip, align_up(offset + length) - offset + skip, skip, length, True)
-
-    def stop_direct(self, direct_fd: int):
+    def _stop_direct(self, direct_fd: int):
         """Read buffered from now on. The fd stays open until `close`: another thread may be
         reading through it, and a closed fd's number can name another file."""
         with self._lock:
