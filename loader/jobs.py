@@ -45,9 +45,8 @@ class Copy(NamedTuple):
 def batches(reads: list[tuple[str, int, int, functools.partial]], landing, trace) -> list:
     """Reads (path, offset, bytes, read) in file order, as jobs of RUN_BYTES or more each: a job per
     small read would cost more in hand-offs between threads than the read (sliced experts' blocks
-    are a few MB). A job ends once
-    what it read has landed or, on the GPU, its uploads are queued: the group's end waits for them
-    (`filled`)."""
+    are a few MB). A job ends once what it read has landed or, on the GPU, its uploads are queued:
+    the group's end waits for them (`filled`)."""
     jobs, batch, size = [], [], 0
     for *_, nbytes, read in reads:
         batch.append(read)
