@@ -46,4 +46,6 @@ def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_d
     uncache(sources)  # written back first: a fixture just written is dirty, and dirty pages stay
     cold = list_view(large_checkpoint, mount_dir)
     assert cold["requests"] > 0 and 0 < cold["listing_pages"] < warm["listing_pages"]  # the header's and fill's pages
-    assert cold["listing_pages"] + cold["listing_pages_left"] == warm["listing_pages"]
+    # Every page a listing reads is pushed or left, the same pages both times (one CI run's warm
+    # listing left one page of 906 to a request).
+    assert cold["listing_pages"] + cold["listing_pages_left"] == warm["listing_pages"] + warm["listing_pages_left"]
