@@ -117,6 +117,7 @@ class Daemon:
             "pushed_fill_bytes": stats.pushed_fill_bytes,
             "listing_pages": stats.listing_pages,
             "listing_pages_left": stats.listing_pages_left,
+            "listing_pages_refused": stats.listing_pages_refused,
             "remnant_bytes": stats.remnant_bytes,
             "reread_bytes": stats.reread_bytes,
             "uncache_pending_bytes": stats.uncache_pending_bytes,

@@ -43,6 +43,7 @@ class Stats:
     pushed_fill_bytes: int = 0  # fill outside the rank's slices, pushed with no read
     listing_pages: int = 0  # pushed as a file was first opened: what a safetensors listing reads
     listing_pages_left: int = 0  # those a listing reads left to requests: not in the sources' page cache, or not stored
+    listing_pages_refused: int = 0  # of those left, the ones the kernel would not store
     remnant_bytes: int = 0  # read again for what the loader had not read of a chunk let go
     reread_bytes: int = 0  # whole chunks read again: the kernel asked for them after they were let go
     uncache_pending_bytes: int = 0  # served source pages not yet dropped from the page cache

@@ -36,7 +36,7 @@ def list_view(checkpoint, mount_dir) -> dict:
 def test_every_page_a_listing_reads_is_pushed_where_the_sources_are_cached(large_checkpoint, mount_dir):
     with pinned(sorted(large_checkpoint.glob("*.safetensors"))):
         status = list_view(large_checkpoint, mount_dir)
-    assert status["listing_pages"] > 0 and status["listing_pages_left"] == 0
+    assert status["listing_pages"] > 0 and status["listing_pages_left"] == status["listing_pages_refused"] == 0
 
 
 def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_dir):

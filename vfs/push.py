@@ -116,16 +116,19 @@ def _store(inode: int, offset: int, data: memoryview) -> bool:
 
 async def push_listing_pages(engine: ReadEngine, inode: int, content: Content):
     """Push the pages a listing of the file reads (`Content.listing`), runs of them in one call."""
-    pages, pieces = await trio.to_thread.run_sync(_store_listing, engine, inode, content)
+    pages, refused, pieces = await trio.to_thread.run_sync(_store_listing, engine, inode, content)
     engine.stats.listing_pages += pages
     engine.stats.listing_pages_left += len(content.listing) - pages
+    engine.stats.listing_pages_refused += refused
     engine.listed(pieces)
 
 
-def _store_listing(engine: ReadEngine, inode: int, content: Content) -> tuple[int, list[tuple[Chunk, int, int]]]:
+def _store_listing(engine: ReadEngine, inode: int,
+                   content: Content) -> tuple[int, int, list[tuple[Chunk, int, int]]]:
     """Runs in a worker thread: each listing page whose bytes are at hand, adjacent ones stored
-    together. Returns how many were stored, and their pieces of chunks (`_page_bytes`)."""
-    stored, pieces, run, run_pieces, run_start = 0, [], bytearray(), [], 0
+    together. Returns how many were stored, how many the kernel refused, and the stored pages'
+    pieces of chunks (`_page_bytes`)."""
+    stored, refused, pieces, run, run_pieces, run_start = 0, 0, [], bytearray(), [], 0
     for page in [*content.listing, None]:
         page_pieces: list[tuple[Chunk, int, int]] = []
         data = None if page is None else _page_bytes(engine, content, page, page_pieces)
@@ -133,12 +136,14 @@ def _store_listing(engine: ReadEngine, inode: int, content: Content) -> tuple[in
             if _store(inode, run_start, memoryview(run)):
                 stored += -(-len(run) // PAGE)
                 pieces += run_pieces
+            else:
+                refused += -(-len(run) // PAGE)
             run, run_pieces = bytearray(), []
         if data is not None:
             run_start = page if not run else run_start
             run += data
             run_pieces += page_pieces
-    return stored, pieces
+    return stored, refused, pieces
 
 
 def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunks: list) -> bytes | None:
