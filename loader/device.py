@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from rankfs.loader.slabs import HostBuffer, Slab, SlabPool
-from rankfs.reader.io import PAGE, OpenFile, align_down, align_up
+from rankfs.reader.io import PAGE, align_down, align_up
 
 log = logging.getLogger("rankfs.hook")
 
@@ -254,13 +254,6 @@ class Bounce:
         """The bytes placed for target[at:at + nbytes] are written."""
         self._pending.end = at + nbytes
 
-    def read(self, target: torch.Tensor, at: int, nbytes: int, source: OpenFile, offset: int, what: str):
-        """Bytes [offset, offset + nbytes) of source, bound for target[at:at + nbytes], read into
-        a buffer now."""
-        buffer, position = self.place(target, at, nbytes)
-        source.read_whole(buffer, position, offset, nbytes, what)
-        self.landed(at, nbytes)
-
     def send(self) -> torch.cuda.Event | None:
         """Upload what waits; returns an event that completes with every upload queued so far
         (None where there is no stream: the copy was made)."""
@@ -273,7 +266,7 @@ class Bounce:
 
     def _take(self, nbytes: int) -> int:
         """The next buffer, of nbytes at least, once its last upload is done."""
-        i, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+        i, self.turn = self.turn, 1 - self.turn
         if self.uploads:
             self.uploads[i].synchronize()
         if self.buffers[i] is None or len(self.buffers[i]) < nbytes:  # a row of a slice larger than a piece
@@ -284,10 +277,8 @@ class Bounce:
 
     def _upload(self):
         pending, self._pending = self._pending, None
-        if pending is not None and pending.end > pending.begin:
-            self._upload_piece(pending)
-
-    def _upload_piece(self, pending: _Pending):
+        if pending is None or pending.end == pending.begin:
+            return
         source = self.tensors[pending.index][pending.offset:pending.offset + pending.end - pending.begin]
         target = pending.target[pending.begin:pending.end]
         target.copy_(source, non_blocking=self.stream is not None)
@@ -309,8 +300,8 @@ class Bounce:
         sent = self.send()
         if sent is not None:
             sent.synchronize()
-        for i in range(len(self.buffers)):
-            self._close(i)
+        self._close(0)
+        self._close(1)
 
 
 class DeviceSlabs:
@@ -359,8 +350,7 @@ class DeviceSlabs:
         key = threading.get_ident()
         bounce = self._bounces.get(key)
         if bounce is None:
-            # Made outside the lock: the threads start together.
-            bounce = Bounce(self.device, self._buffers)
+            bounce = Bounce(self.device, self._buffers)  # made outside the lock: the threads start together
             with self._lock:
                 self._bounces[key] = bounce
         return bounce

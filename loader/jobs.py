@@ -207,7 +207,10 @@ def read_run(run: Run, landing: HostLanding | DeviceLanding):
     where = f"{run.source.path}: tensor {run.first!r}"
     piece = landing.piece or run.length
     for begin in range(0, run.length, piece):
-        landing.read(run.source, run.offset + begin, min(piece, run.length - begin), run.at + begin, where)
+        nbytes = min(piece, run.length - begin)
+        spot = landing.place(run.at + begin, nbytes)
+        run.source.read_whole(spot.buffer, spot.at, run.offset + begin, nbytes, where)
+        landing.landed(spot)
 
 
 def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLanding | DeviceLanding,

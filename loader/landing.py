@@ -9,7 +9,6 @@ import torch
 
 from rankfs.loader.device import PIECE_BYTES, DeviceSlabs
 from rankfs.loader.slabs import Slab
-from rankfs.reader.io import OpenFile
 
 
 class Spot(NamedTuple):
@@ -36,10 +35,6 @@ class HostLanding:
     def landed(self, spot: Spot):
         pass
 
-    def read(self, source: OpenFile, offset: int, nbytes: int, at: int, what: str):
-        """Bytes [offset, offset + nbytes) of source into the slab at `at`."""
-        source.read_whole(self.buffer, at, offset, nbytes, what)
-
     def flush(self):
         pass
 
@@ -63,11 +58,6 @@ class DeviceLanding:
 
     def landed(self, spot: Spot):
         self.device.bounce().landed(spot.slab_at, spot.nbytes)
-
-    def read(self, source: OpenFile, offset: int, nbytes: int, at: int, what: str):
-        """Bytes [offset, offset + nbytes) of source, bound for the slab at `at`, through a bounce
-        buffer."""
-        self.device.bounce().read(self.slab.tensor, at, nbytes, source, offset, what)
 
     def flush(self):
         sent = self.device.bounce().send()
