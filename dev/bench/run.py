@@ -151,37 +151,39 @@ class Bench:
         self.repeat, self.traces, self.profile_mode = repeat, traces, profile_mode
         self.case_name = ""
 
-    def row(self, label: str, kind: str, args, mode: str, files: list[str], view: RankSpec | None = None) -> dict:
-        """One row: the path run `repeat` times, each in a process of its own (through a fresh
-        mount of the `view` rank, where it reads one: `args` then takes the mount point). The run
-        of median time (of two, the faster) stands for the row, every run's seconds beside it: on a
-        shared host the same load moves by up to 2x within minutes, more than most differences
-        measured."""
-        runs = []
+    def rows(self, specs: list[tuple], mode: str, files: list[str]) -> list[dict]:
+        """Rows (label, kind, args, view): each path run `repeat` times, each in a process of its
+        own (through a fresh mount of the `view` rank, where it reads one: `args` then takes the
+        mount point), round by round, every row once a round: on a shared host the same load moves
+        by up to 2x within minutes, and a disk's rate drifts between rounds, more than most
+        differences measured. The run of median time (of two, the faster) stands for the row,
+        every run's seconds beside it."""
+        runs = [[] for _ in specs]
         for run in range(self.repeat):
-            if view is None:
-                runs.append(self.measure(label, kind, args, mode, files, run=run))
-                continue
-            trace = self.traces / f"{self.slug(label, mode, run)}.jsonl" if self.traces else None
-            with self.mounted(view, trace) as mnt:
-                run_args = args(mnt)
-                hook_trace = trace.with_suffix(".hook.jsonl") if trace and run_args.get("hook") else None
-                if hook_trace:
-                    run_args["hook_trace"] = str(hook_trace)
-                runs.append(self.measure(label, kind, run_args, mode, files, mnt, run))
-            if trace is not None and trace.exists():  # complete once unmounted
-                trace.with_suffix(".summary.txt").write_text(
-                    dev_trace.summarize(dev_trace.read_events(trace), runs[-1]) + "\n")
-            if hook_trace is not None and hook_trace.exists():
-                hook_trace.with_suffix(".summary.txt").write_text(
-                    dev_trace.summarize_hook(dev_trace.read_events(hook_trace), runs[-1]) + "\n")
-        timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
-        if not timed:
-            return runs[-1]
-        median = timed[(len(timed) - 1) // 2]
-        median["runs_seconds"] = [r["seconds"] for r in timed]
-        median["runs_weights_sha256"] = sorted({r["weights_sha256"] for r in timed if "weights_sha256" in r})
-        return median
+            if self.repeat > 1:
+                self.log(f"  {mode} round {run + 1} of {self.repeat}")
+            for (label, kind, args, view), done in zip(specs, runs):
+                done.append(self.run_once(label, kind, args, mode, files, view, run))
+        return [median_run(done) for done in runs]
+
+    def run_once(self, label: str, kind: str, args, mode: str, files: list[str], view: RankSpec | None,
+                 run: int) -> dict:
+        if view is None:
+            return self.measure(label, kind, args, mode, files, run=run)
+        trace = self.traces / f"{self.slug(label, mode, run)}.jsonl" if self.traces else None
+        with self.mounted(view, trace) as mnt:
+            run_args = args(mnt)
+            hook_trace = trace.with_suffix(".hook.jsonl") if trace and run_args.get("hook") else None
+            if hook_trace:
+                run_args["hook_trace"] = str(hook_trace)
+            result = self.measure(label, kind, run_args, mode, files, mnt, run)
+        if trace is not None and trace.exists():  # complete once unmounted
+            trace.with_suffix(".summary.txt").write_text(
+                dev_trace.summarize(dev_trace.read_events(trace), result) + "\n")
+        if hook_trace is not None and hook_trace.exists():
+            hook_trace.with_suffix(".summary.txt").write_text(
+                dev_trace.summarize_hook(dev_trace.read_events(hook_trace), result) + "\n")
+        return result
 
     def measure(self, label: str, kind: str, args: dict, mode: str, files: list[str],
                 mountpoint: Path | None = None, run: int = 0) -> dict:
@@ -269,9 +271,8 @@ class Bench:
         return {"case": name, "spec": spec.describe(), "plan": planned, "rows": rows}
 
     def mode_rows(self, mode: str, spec: RankSpec, ranges, files, names) -> list[dict]:
-        rows = []
-        measure = lambda label, kind, args, view=None: rows.append(  # noqa: E731
-            self.row(label, kind, args, mode, files, view))
+        specs = []
+        measure = lambda label, kind, args, view=None: specs.append((label, kind, args, view))  # noqa: E731
         cuda, paths = self.device != "cpu", self.paths
         if "limit" in paths:
             if mode == "cold":
@@ -311,7 +312,19 @@ class Bench:
                     measure(f"{peer} ({config}) on the view", "load",
                             lambda mnt, peer=peer, extra=extra: self.load_args(mnt / "target", spec, peer, **extra),
                             spec)
-        return rows
+        return self.rows(specs, mode, files)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median time (of two, the faster), every run's seconds and digests in it; the
+    last run where none has a time (each failed)."""
+    timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
+    if not timed:
+        return runs[-1]
+    median = timed[(len(timed) - 1) // 2]
+    median["runs_seconds"] = [r["seconds"] for r in timed]
+    median["runs_weights_sha256"] = sorted({r["weights_sha256"] for r in timed if "weights_sha256" in r})
+    return median
 
 
 BITWISE = {True: "equal", False: "DIFFER", None: "-"}  # a row's weights against the original shards'
@@ -378,8 +391,9 @@ def main(argv=None) -> int:
     p.add_argument("--mount-args", default="", metavar="ARGS",
                    help="more 'rankfs mount' arguments for the rows through a view, e.g. '--push-threads 4'")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="run each row N times, each in a fresh process (and mount); the median run "
-                        "(of an even N, the faster middle one) is reported, with every run's seconds (default: 1)")
+                   help="run each row N times, each in a fresh process (and mount), in N rounds of every "
+                        "row of a mode; the median run (of an even N, the faster middle one) is reported, with "
+                        "every run's seconds (default: 1)")
     p.add_argument("--profile", nargs="?", const="idle", choices=profile.MODES, metavar="MODE",
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread "
                         "group; MODE: idle (every thread, the default), gil (the threads holding the GIL), native "
