@@ -1,6 +1,6 @@
 """The benchmark's own logic: its profile summary (dev/bench/profile.py), the check that every
-load got the weights the original shards give (dev/bench/run.py), and the hook's own rate (a load
-with no engine copies, dev/bench/paths.py)."""
+load got the weights the original shards give and the rounds of a repeated run (dev/bench/run.py),
+and the hook's own rate (a load with no engine copies, dev/bench/paths.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, mounted
 from dev.bench.profile import summarize
-from dev.bench.run import check_bitwise
+from dev.bench.run import Bench, check_bitwise
 from rankfs.plan.safetensors import read_header
 
 
@@ -42,6 +42,21 @@ def test_a_load_whose_weights_differ_from_the_originals_is_flagged():
     views_only = [load("rankfs", True, "a")]
     check_bitwise(views_only)
     assert views_only[0]["bitwise"] is None  # nothing read from the originals to compare with
+
+
+def test_a_repeated_run_measures_every_row_once_a_round(tmp_path):
+    """--repeat N: N rounds of every row, each in a process of its own, so a drift of the disk
+    moves every row alike; each row reports its median run and every run's seconds."""
+    source = tmp_path / "shard"
+    source.write_bytes(os.urandom(1 << 20))
+    journal = tmp_path / "rows.jsonl"
+    bench = Bench(tmp_path, tmp_path, "cpu", [], set(), lambda line: None, journal, repeat=3)
+    ranges = {"ranges": [(str(source), 0, 1 << 20)], "direct": False}
+    rows = bench.rows([("first", "raw", ranges, None), ("second", "raw", ranges, None)], "warm", [str(source)])
+    measured = [json.loads(line)["path"] for line in journal.read_text().splitlines()]
+    assert measured == ["first", "second"] * 3
+    for row in rows:
+        assert len(row["runs_seconds"]) == 3 and row["seconds"] == sorted(row["runs_seconds"])[1]
 
 
 @pytest.mark.mount
