@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, mounted
 from dev.bench.profile import summarize
-from dev.bench.run import Bench, check_bitwise
+from dev.bench.run import Bench, check_bitwise, hook_env_variants
 from rankfs.plan.safetensors import read_header
 
 
@@ -57,6 +57,26 @@ def test_a_repeated_run_measures_every_row_once_a_round(tmp_path):
     assert measured == ["first", "second"] * 3
     for row in rows:
         assert len(row["runs_seconds"]) == 3 and row["seconds"] == sorted(row["runs_seconds"])[1]
+
+
+def test_hook_variants_are_sets_of_the_hooks_variables():
+    assert hook_env_variants("") == ({},)
+    assert hook_env_variants(";RANKFS_HOOK_THREADS=16,RANKFS_HOOK_SLAB_MB=64") == (
+        {}, {"RANKFS_HOOK_THREADS": "16", "RANKFS_HOOK_SLAB_MB": "64"})
+    for bad in ("THREADS=16", "RANKFS_HOOK_THREADS"):
+        with pytest.raises(ValueError, match="is not RANKFS_HOOK_"):
+            hook_env_variants(bad)
+
+
+@pytest.mark.mount
+def test_the_hooks_rows_run_once_per_variant(tiny_checkpoint, tmp_path):
+    """--hook-env: each variant's variables reach its row's process, and only its."""
+    bench = Bench(tiny_checkpoint, tmp_path, "cpu", [], {"hook-alone"}, lambda line: None, tmp_path / "rows.jsonl",
+                  hook_variants=hook_env_variants(";RANKFS_HOOK_THREADS=0"))
+    rows = bench.case("ep2", ["warm"])["rows"]
+    assert [row["path"] for row in rows] == ["rankfs + hook, no engine copies",
+                                             "rankfs + hook, no engine copies (RANKFS_HOOK_THREADS=0)"]
+    assert rows[0]["bytes"] > 0 and "RANKFS_HOOK_THREADS must be at least 1" in rows[1]["error"]
 
 
 @pytest.mark.mount

@@ -4,7 +4,7 @@ storage, on the same data.
 
     python3 -m dev bench [--size-gb 8] [--cases ep2,ep1-sliced] [--modes cold,warm] [--device cpu|cuda]
                          [--peers instanttensor,fastsafetensors,runai] [--out DIR] [--repeat N] [--profile [MODE]]
-                         [--trace]
+                         [--trace] [--hook-env 'RANKFS_HOOK_THREADS=8;RANKFS_HOOK_THREADS=16']
 
 Modes: `cold` drops the page cache before each path (needs root); `warm` reads the sources into it
 first (the stand-in for storage faster than the disk); `tmpfs` copies the checkpoint into /dev/shm.
@@ -93,11 +93,13 @@ PATH_TIMEOUT = 300  # seconds one path may take
 
 
 def run_path(kind: str, args: dict, record: Path | None = None, profile_mode: str = "idle") -> dict:
-    """Run one path in a process of its own; with `record`, under py-spy (rankfs' dev.bench.profile)."""
+    """Run one path in a process of its own, with the variables of args["env"] set; with `record`,
+    under py-spy (rankfs' dev.bench.profile)."""
     prefix = (profile.command(record, profile_mode) or []) if record is not None else []
     try:
         result = subprocess.run([*prefix, sys.executable, "-m", "dev.bench.paths", kind], input=json.dumps(args),
-                                cwd=ROOT, capture_output=True, text=True, timeout=PATH_TIMEOUT)
+                                cwd=ROOT, capture_output=True, text=True, timeout=PATH_TIMEOUT,
+                                env={**os.environ, **args.get("env", {})})
     except subprocess.TimeoutExpired:
         return {"error": f"took over {PATH_TIMEOUT} s"}
     rows = [line for line in result.stdout.splitlines() if line.startswith("{")]  # py-spy talks too
@@ -145,10 +147,11 @@ def check_bitwise(rows: list[dict]):
 class Bench:
     def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
                  journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = (), repeat: int = 1,
-                 traces: Path | None = None, profile_mode: str = "idle"):
+                 traces: Path | None = None, profile_mode: str = "idle", hook_variants: tuple[dict, ...] = ({},)):
         self.checkpoint, self.workdir, self.device, self.peers, self.log = checkpoint, workdir, device, peers, log
         self.paths, self.journal, self.profiles, self.mount_args = paths, journal, profiles, mount_args
         self.repeat, self.traces, self.profile_mode = repeat, traces, profile_mode
+        self.hook_variants = hook_variants  # the hook's rows, once per set of its variables
         self.case_name = ""
 
     def rows(self, specs: list[tuple], mode: str, files: list[str]) -> list[dict]:
@@ -292,11 +295,15 @@ class Bench:
         if "view-preads" in paths:
             measure("rankfs: O_DIRECT preads of the view", "raw",
                     lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec)
-        if "hook" in paths:
-            measure("rankfs + hook", "load", lambda mnt: self.load_args(mnt / "target", spec, hook=True), spec)
-        if "hook-alone" in paths:
-            measure("rankfs + hook, no engine copies", "load",
-                    lambda mnt: self.load_args(mnt / "target", spec, hook=True, copies=False), spec)
+        for env in self.hook_variants:
+            named = f" ({','.join(f'{k}={v}' for k, v in env.items())})" if env else ""
+            if "hook" in paths:
+                measure(f"rankfs + hook{named}", "load",
+                        lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, env=env), spec)
+            if "hook-alone" in paths:
+                measure(f"rankfs + hook, no engine copies{named}", "load",
+                        lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, copies=False, env=env),
+                        spec)
         for peer in self.peers if {"peers", "peers-on-view"} & paths else ():
             if peer == "instanttensor" and not cuda:
                 continue
@@ -313,6 +320,20 @@ class Bench:
                             lambda mnt, peer=peer, extra=extra: self.load_args(mnt / "target", spec, peer, **extra),
                             spec)
         return self.rows(specs, mode, files)
+
+
+def hook_env_variants(text: str) -> tuple[dict, ...]:
+    """--hook-env: 'A=1,B=2;A=3' as ({'A': '1', 'B': '2'}, {'A': '3'}); '' as the defaults alone."""
+    variants = []
+    for variant in text.split(";"):
+        env = {}
+        for setting in filter(None, variant.split(",")):
+            name, equals, value = setting.strip().partition("=")
+            if not equals or not name.startswith("RANKFS_HOOK"):
+                raise ValueError(f"--hook-env: {setting!r} is not RANKFS_HOOK_...=VALUE")
+            env[name] = value
+        variants.append(env)
+    return tuple(variants)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -401,7 +422,15 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true",
                    help="trace the daemon of each row through a view (rankfs mount --trace), and the hook "
                         "(RANKFS_HOOK_TRACE): OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace)")
+    p.add_argument("--hook-env", default="", metavar="VARIANTS",
+                   help="run the hook's rows once per variant, in the same rounds: variants separated by ';', "
+                        "each NAME=VALUE[,NAME=VALUE] of RANKFS_HOOK_* variables, an empty one for the defaults "
+                        "(e.g. 'RANKFS_HOOK_THREADS=8;RANKFS_HOOK_THREADS=16'; default: the defaults only)")
     args = p.parse_args(argv)
+    try:
+        hook_variants = hook_env_variants(args.hook_env)
+    except ValueError as exc:
+        p.error(str(exc))
     # A run stopped by `timeout` or kill unwinds as Ctrl-C does: the row's mount is unmounted on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # The hook's modules are imported at a load's first rankfs open, inside the clock: compiled ahead, as
@@ -434,7 +463,8 @@ def main(argv=None) -> int:
                 folder.mkdir(exist_ok=True)
         bench = Bench(source, workdir, args.device, [p for p in args.peers.split(",") if p],
                       set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl",
-                      profiles, tuple(args.mount_args.split()), args.repeat, traces, args.profile or "idle")
+                      profiles, tuple(args.mount_args.split()), args.repeat, traces, args.profile or "idle",
+                      hook_variants)
         try:
             results += [bench.case(name, mode_group) for name in args.cases.split(",")]
         finally:
