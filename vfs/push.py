@@ -133,11 +133,12 @@ def _store_listing(engine: ReadEngine, inode: int,
         page_pieces: list[tuple[Chunk, int, int]] = []
         data = None if page is None else _page_bytes(engine, content, page, page_pieces)
         if run and (data is None or page != run_start + len(run)):
+            pages = -(-len(run) // PAGE)
             if _store(inode, run_start, memoryview(run)):
-                stored += -(-len(run) // PAGE)
+                stored += pages
                 pieces += run_pieces
             else:
-                refused += -(-len(run) // PAGE)
+                refused += pages
             run, run_pieces = bytearray(), []
         if data is not None:
             run_start = page if not run else run_start

@@ -171,6 +171,7 @@ class Bench:
 
     def run_once(self, label: str, kind: str, args, mode: str, files: list[str], view: RankSpec | None,
                  run: int) -> dict:
+        """One run of a row: `measure`, through a fresh mount of `view` where it has one, with its traces."""
         if view is None:
             return self.measure(label, kind, args, mode, files, run=run)
         trace = self.traces / f"{self.slug(label, mode, run)}.jsonl" if self.traces else None
@@ -275,33 +276,33 @@ class Bench:
 
     def mode_rows(self, mode: str, spec: RankSpec, ranges, files, names) -> list[dict]:
         specs = []
-        measure = lambda label, kind, args, view=None: specs.append((label, kind, args, view))  # noqa: E731
+        row = lambda label, kind, args, view=None: specs.append((label, kind, args, view))  # noqa: E731
         cuda, paths = self.device != "cpu", self.paths
         if "limit" in paths:
             if mode == "cold":
-                measure("limit: O_DIRECT preads", "raw", {"ranges": ranges, "direct": True})
-            measure("limit: buffered preads", "raw", {"ranges": ranges, "direct": False})
+                row("limit: O_DIRECT preads", "raw", {"ranges": ranges, "direct": True})
+            row("limit: buffered preads", "raw", {"ranges": ranges, "direct": False})
             if cuda:
-                measure("limit: preads + H2D", "raw", {"ranges": ranges, "direct": False, "h2d": True})
-            measure("limit: pushes into FUSE page cache", "push",
+                row("limit: preads + H2D", "raw", {"ranges": ranges, "direct": False, "h2d": True})
+            row("limit: pushes into FUSE page cache", "push",
                     {"ranges": ranges, "mountpoint": str(self.push_mountpoint())})
         if mode != "cold" and "ceiling" in paths:
-            measure("engine ceiling (staged, pinned)", "load",
+            row("engine ceiling (staged, pinned)", "load",
                     self.load_args(self.checkpoint, spec, "staged", names=names))
         if "stock" in paths:
-            measure("stock (engine-like, mmap)", "load", self.load_args(self.checkpoint, spec))
+            row("stock (engine-like, mmap)", "load", self.load_args(self.checkpoint, spec))
         if "rankfs" in paths:
-            measure("rankfs", "load", lambda mnt: self.load_args(mnt / "target", spec), spec)
+            row("rankfs", "load", lambda mnt: self.load_args(mnt / "target", spec), spec)
         if "view-preads" in paths:
-            measure("rankfs: O_DIRECT preads of the view", "raw",
+            row("rankfs: O_DIRECT preads of the view", "raw",
                     lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec)
         for env in self.hook_variants:
             named = f" ({','.join(f'{k}={v}' for k, v in env.items())})" if env else ""
             if "hook" in paths:
-                measure(f"rankfs + hook{named}", "load",
+                row(f"rankfs + hook{named}", "load",
                         lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, env=env), spec)
             if "hook-alone" in paths:
-                measure(f"rankfs + hook, no engine copies{named}", "load",
+                row(f"rankfs + hook, no engine copies{named}", "load",
                         lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, copies=False, env=env),
                         spec)
         for peer in self.peers if {"peers", "peers-on-view"} & paths else ():
@@ -314,9 +315,9 @@ class Bench:
                                                                                       "names": names})]
             for config, extra in configs:
                 if "peers" in paths:
-                    measure(f"{peer} ({config})", "load", self.load_args(self.checkpoint, spec, peer, **extra))
+                    row(f"{peer} ({config})", "load", self.load_args(self.checkpoint, spec, peer, **extra))
                 if "peers-on-view" in paths:
-                    measure(f"{peer} ({config}) on the view", "load",
+                    row(f"{peer} ({config}) on the view", "load",
                             lambda mnt, peer=peer, extra=extra: self.load_args(mnt / "target", spec, peer, **extra),
                             spec)
         return self.rows(specs, mode, files)
