@@ -285,26 +285,25 @@ class Bench:
             if cuda:
                 row("limit: preads + H2D", "raw", {"ranges": ranges, "direct": False, "h2d": True})
             row("limit: pushes into FUSE page cache", "push",
-                    {"ranges": ranges, "mountpoint": str(self.push_mountpoint())})
+                {"ranges": ranges, "mountpoint": str(self.push_mountpoint())})
         if mode != "cold" and "ceiling" in paths:
             row("engine ceiling (staged, pinned)", "load",
-                    self.load_args(self.checkpoint, spec, "staged", names=names))
+                self.load_args(self.checkpoint, spec, "staged", names=names))
         if "stock" in paths:
             row("stock (engine-like, mmap)", "load", self.load_args(self.checkpoint, spec))
         if "rankfs" in paths:
             row("rankfs", "load", lambda mnt: self.load_args(mnt / "target", spec), spec)
         if "view-preads" in paths:
             row("rankfs: O_DIRECT preads of the view", "raw",
-                    lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec)
+                lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec)
         for env in self.hook_variants:
             named = f" ({','.join(f'{k}={v}' for k, v in env.items())})" if env else ""
             if "hook" in paths:
                 row(f"rankfs + hook{named}", "load",
-                        lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, env=env), spec)
+                    lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, env=env), spec)
             if "hook-alone" in paths:
                 row(f"rankfs + hook, no engine copies{named}", "load",
-                        lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, copies=False, env=env),
-                        spec)
+                    lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, copies=False, env=env), spec)
         for peer in self.peers if {"peers", "peers-on-view"} & paths else ():
             if peer == "instanttensor" and not cuda:
                 continue
@@ -318,8 +317,7 @@ class Bench:
                     row(f"{peer} ({config})", "load", self.load_args(self.checkpoint, spec, peer, **extra))
                 if "peers-on-view" in paths:
                     row(f"{peer} ({config}) on the view", "load",
-                            lambda mnt, peer=peer, extra=extra: self.load_args(mnt / "target", spec, peer, **extra),
-                            spec)
+                        lambda mnt, peer=peer, extra=extra: self.load_args(mnt / "target", spec, peer, **extra), spec)
         return self.rows(specs, mode, files)
 
 
@@ -411,7 +409,8 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default=",".join(PATHS), help=f"rows to run (default: all of {', '.join(PATHS)})")
     p.add_argument("--out", default="bench-results", help="results.json and timeline.png go here")
     p.add_argument("--mount-args", default="", metavar="ARGS",
-                   help="more 'rankfs mount' arguments for the rows through a view, e.g. '--push-threads 4'")
+                   help="more 'rankfs mount' arguments for the rows through a view, e.g. '--push-threads 4' "
+                        "(a single flag with '=': --mount-args=--direct-io)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run each row N times, each in a fresh process (and mount), in N rounds of every "
                         "row of a mode; the median run (of an even N, the faster middle one) is reported, with "
