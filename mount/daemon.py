@@ -120,6 +120,7 @@ class Daemon:
             "listing_pages_refused": stats.listing_pages_refused,
             "remnant_bytes": stats.remnant_bytes,
             "reread_bytes": stats.reread_bytes,
+            "evicted_reread_bytes": stats.evicted_reread_bytes,
             "uncache_pending_bytes": stats.uncache_pending_bytes,
             "memory": self.engine.held.figures(),
             "errors": stats.errors,

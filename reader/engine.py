@@ -128,6 +128,9 @@ class ReadEngine:
                     return remnant
             if chunk.loading is None:
                 self.stats.demand_loads += 1
+                push_start, push_end = chunk.push_range()
+                if chunk.pushed and lo < push_end and hi > push_start:  # the kernel asks only for pages it lacks
+                    self.stats.evicted_reread_bytes += chunk.length
                 self.held.free(chunk)  # pushed, and its pages since evicted: read it anew
                 self.held.make_room(chunk)
                 chunk.loading = trio.Event()

@@ -5,6 +5,7 @@ after `rankfs drop` the views hold no page cache."""
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 
@@ -44,8 +45,14 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
     planned = sum(v["planned_bytes"] for v in status["views"] if v["active"])  # the views read
     # each byte once, or nearly: a chunk let go early is read again only for what is still wanted, and
     # this reader, by offset, is out of the loaders' order: pushed chunks it had not reached when the
-    # daemon let them pass keep their first page (it read 5-23 % more when they did not)
-    assert planned <= status["read_bytes"] < 1.02 * planned
+    # daemon let them pass keep their first page (it read 5-23 % more when they did not). Pushed pages
+    # the kernel evicts before this reader comes are read again, as they must be: these VMs' DAMON
+    # pages out up to 128 MiB/s of memory it finds idle, pages pushed and not yet read among it (one
+    # run in a dozen after the rest of the suite: 68 MiB of chunks read again for that, 84 MiB in
+    # all, a chunk read on demand taking the room of one read ahead). None evicted: within 2 %.
+    evicted = status["evicted_reread_bytes"]
+    assert evicted <= status["reread_bytes"]
+    assert planned <= status["read_bytes"] - evicted < 1.02 * planned + evicted
     assert peak < budget + 256 * MIB, f"daemon peak RSS {peak / MIB:.0f} MiB"
 
 
@@ -79,6 +86,25 @@ def test_a_view_read_with_o_direct_is_read_ahead_into_memory_not_pushed(large_ch
     assert status["pushed_bytes"] == status["pushed_fill_bytes"] == status["listing_pages"] == 0
     with mounted(large_checkpoint, mount_dir, *flags, "--no-push"):
         assert mapped_digests(mount_dir / "target") == direct
+
+
+def test_pushed_pages_the_kernel_evicted_are_read_again_and_counted_apart(large_checkpoint, mount_dir):
+    """A pushed chunk whose pages the kernel evicted before the reader came is read again when asked
+    for, the same bytes, and counted apart from the daemon's own rereads: memory pressure (or these
+    VMs' DAMON pageout) took them, not the daemon. Here the view's pages are evicted by hand."""
+    flags = ("--tp-size", 2, "--tp-rank", 0, "--ep-size", 2, "--inflight-gb", 128 * MIB / (1 << 30))
+    with mounted(large_checkpoint, mount_dir, *flags):
+        first = mapped_digests(mount_dir / "target")
+        before = settled_status(mount_dir)
+        for shard in sorted((mount_dir / "target").glob("*.safetensors")):
+            fd = os.open(shard, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        assert mapped_digests(mount_dir / "target") == first
+        after = settled_status(mount_dir)
+    assert before["pushed_bytes"] > 0
+    evicted = after["evicted_reread_bytes"] - before["evicted_reread_bytes"]
+    assert 0 < evicted <= after["reread_bytes"] - before["reread_bytes"]
 
 
 def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):
