@@ -10,18 +10,20 @@ page-locked memory cost more to fault in and lock (0.35 s of a 1.2 s load of 13.
 host) than reading the first file. The GPU memory read ahead is the budget (RANKFS_HOOK_INFLIGHT_GB),
 handed back to the driver at release, before the engine sizes its KV pool.
 
-A GPU slab's tensor is imported through DLPack, so torch calls its deleter when the last view dies:
-that is how the pool hears of it, as a host slab's memoryview finalizer does. The loader's copies
-from it are queued on the device then, not done, so a dead slab's buffer is written again, or handed
-back to CUDA's allocator, only after a device synchronization that followed its death.
+A GPU slab's tensor is a view of a buffer exported through DLPack and imported back, a storage of
+its own that holds the exported view until the last tensor viewing the slab dies: the exported
+view's finalizer is how the pool hears of it, as a host slab's memoryview finalizer does. The
+loader's copies from it are queued on the device then, not done, so a dead slab's buffer is written
+again, or handed back to CUDA's allocator, only after a device synchronization that followed its
+death.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -34,49 +36,17 @@ log = logging.getLogger("rankfs.hook")
 PIECE_BYTES = 16 << 20  # a bounce buffer: a run of a slab (rankfs.loader.layout.RUN_BYTES), or rows of many slices
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int), ("dtype", _DLDataType),
-                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
-                ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
-_DL_CPU, _DL_CUDA, _DL_UINT = 1, 2, 1
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_exported: dict[int, tuple] = {}  # what a DLPack export keeps alive until torch calls its deleter
-
-
 def alias(memory: torch.Tensor, nbytes: int, died: Callable[[], None]) -> torch.Tensor:
-    """A uint8 tensor over memory[:nbytes] (contiguous) that is not a view of it: died() runs when
-    torch frees it, with the last tensor viewing it (on whichever thread drops that)."""
-    managed = _DLManagedTensor()
-    shape = (ctypes.c_int64 * 1)(nbytes)
-    device = memory.device
-    managed.dl_tensor = _DLTensor(memory.data_ptr(), _DLDevice(_DL_CUDA if device.type == "cuda" else _DL_CPU,
-                                                                device.index or 0),
-                                  1, _DLDataType(_DL_UINT, 8, 1), shape, None, 0)
-    key = ctypes.addressof(managed)
-
-    def deleter(_):
-        del _exported[key]
-        died()
-    managed.deleter = _DELETER(deleter)
-    _exported[key] = (managed, shape, managed.deleter, memory)
-    return torch.utils.dlpack.from_dlpack(_capsule_new(key, b"dltensor", None))
+    """A uint8 tensor over memory[:nbytes] with a storage of its own: died() runs when torch frees
+    it, with the last tensor viewing it (on whichever thread drops that). The storage holds the
+    exported view until then, and the view's finalizer is the signal: Python runs finalizers with
+    any exception in flight set aside, so a slab whose last view goes as a loader's error unwinds
+    still tells the pool. A ctypes DLPack deleter cannot be called then, and lost both the death
+    and the error (a SystemError in its place)."""
+    exported = memory[:nbytes]
+    tensor = torch.utils.dlpack.from_dlpack(exported.__dlpack__())
+    weakref.finalize(exported, died)
+    return tensor
 
 
 class Fence:

@@ -144,6 +144,26 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
     assert bounce.buffers == [None, None] and device.bounce_bytes >= 512 << 10
 
 
+def test_a_gpu_slab_whose_last_views_go_as_an_error_unwinds_is_freed_and_the_error_stays_the_loaders():
+    """A loader that fails while it holds views of a slab only on its stack (a list being built)
+    drops them as the error unwinds: the pool hears of the slab's death all the same, and the error
+    that reaches the caller is the loader's own (a ctypes DLPack deleter could not run then: the
+    slab stayed alive and a SystemError took the error's place)."""
+    budget = Budget(MIB)
+    device = DeviceSlabs(torch.device("cpu"), MIB, budget, wanted=lambda: True, retire=lambda b: b.close())
+    deaths = []
+
+    def slab():
+        budget.reserve(MIB)
+        return device.allocate(MIB, ["t"], "a.safetensors", on_death=lambda: deaths.append("t")).tensor
+
+    def fails():
+        raise ValueError("the loader's own error")
+    with pytest.raises(ValueError, match="the loader's own error"):
+        [slab()[:4], fails()]
+    assert deaths == ["t"] and budget.used == 0 and device.pool.alive() == []
+
+
 def test_bounce_buffers_are_made_ahead_and_those_never_taken_are_unmapped(monkeypatch):
     monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)
     supply = device_module.BounceBuffers(2, pin=False)
