@@ -1,8 +1,10 @@
 """A group's reads as the read threads' jobs, and the reads themselves: runs in pieces, from the
-disk (direct) unless the page cache holds them; slices spread over rows read whole, or, where the
-page cache holds them, their columns copied out of its mapped pages; and a group of small reads
-whose sources the page cache holds all, copied out of maps of them a piece of the slab per job.
-Short reads name the file and the tensor. rankfs.loader.staged decides which a group takes."""
+disk (direct) unless the page cache holds them; slices spread over rows read whole, their columns
+picked by the landing (a GPU slab's pitched upload) or copied out on the CPU, where the page cache
+holds them straight out of its mapped pages; and a group of small reads whose sources the page
+cache holds all, a piece of the slab per job, copied out of maps of them into a host slab, read
+into a bounce buffer for the GPU. Short reads name the file and the tensor. rankfs.loader.staged
+decides which a group takes."""
 
 from __future__ import annotations
 
@@ -104,19 +106,26 @@ def _covering(copies: list[Copy]) -> dict[OpenFile, tuple[int, int]]:
 
 def cached_jobs(copies: list[Copy], landing, trace) -> list:
     """Copies out of the page cache in slab order, as jobs of a landing's piece of the slab at most
-    (RUN_BYTES in a host slab). One larger alone is a job of its own read."""
+    (RUN_BYTES in a host slab). One larger alone is a job of its own read. Into a host slab they
+    are copied out of maps; where a bounce buffer takes them they are read (pread): a block of
+    rows moved at 26-34 GB/s against 11-14 out of maps from 8 threads on the H200 host, which a
+    map's page faults and unmapping cost."""
     cap = landing.piece or RUN_BYTES
     jobs, job = [], []
+
+    def close_job():
+        work, args = (_run_each, [c.read for c in job]) if landing.picks_columns else (_copy_out_of_cache, job)
+        jobs.append(_job(trace, sum(c.length for c in job), len(job), work, args, landing))
     for copy in sorted(copies, key=lambda c: c.at):
         if copy.landed > cap:
             jobs.append(_job(trace, copy.length, 1, _run_each, [copy.read], landing))
             continue
         if job and copy.at + copy.landed - job[0].at > cap:
-            jobs.append(_job(trace, sum(c.length for c in job), len(job), _copy_out_of_cache, job, landing))
+            close_job()
             job = []
         job.append(copy)
     if job:
-        jobs.append(_job(trace, sum(c.length for c in job), len(job), _copy_out_of_cache, job, landing))
+        close_job()
     return jobs
 
 
@@ -143,7 +152,6 @@ def _copy_out_of_cache(copies: list[Copy], landing):
                 begin, whole = maps[copy.source]
                 _copy_strided(copy.rows or Rows(1, copy.length, 0, copy.length), count, step, slab_step,
                               whole, copy.offset - begin, spot.buffer, spot.at + copy.at - first)
-            landing.landed(spot)
             landing.flush()
             return
     finally:
@@ -210,11 +218,9 @@ def read_run(run: Run, landing: HostLanding | DeviceLanding):
         nbytes = min(piece, run.length - begin)
         spot = landing.place(run.at + begin, nbytes)
         run.source.read_whole(spot.buffer, spot.at, run.offset + begin, nbytes, where)
-        landing.landed(spot)
 
 
-def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLanding | DeviceLanding,
-                      at: int) -> bool:
+def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLanding, at: int) -> bool:
     """Rows the page cache holds: the rank's columns copied straight out of the source's pages,
     mapped, to the slab from `at`; whether it could. A read of whole rows would move every
     row's bytes twice for a quarter of them kept (TP4): a warm sliced load's read threads spent
@@ -226,13 +232,7 @@ def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLan
     if whole is None:
         return False
     try:
-        kept = rows.keep_stop - rows.keep_start
-        per_spot = rows.count if landing.piece is None else max(1, landing.piece // kept)
-        for first in range(0, rows.count, per_spot):
-            count = min(per_spot, rows.count - first)
-            spot = landing.place(at + first * kept, count * kept)
-            _copy_strided(rows._replace(count=count), 1, 0, 0, whole, first * rows.row_bytes, spot.buffer, spot.at)
-            landing.landed(spot)
+        _copy_strided(rows, 1, 0, 0, whole, 0, landing.buffer, at)
     finally:
         source.unmap(begin, nbytes)
     return True
@@ -240,25 +240,27 @@ def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLan
 
 def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: HostLanding | DeviceLanding,
               at: int):
-    """A slice spread over rows: whole rows through a bounded buffer, the rank's columns copied
-    out to the slab from `at` (every page of the rows holds kept bytes), a landing's piece of
-    them at a time (the whole slice in a host slab)."""
+    """A slice spread over rows, its kept columns to the slab from `at`: whole rows read into a
+    bounce buffer, a piece of them at a time, where the landing picks the columns (the GPU's);
+    else the columns copied out of the page cache's pages, or out of whole rows read through a
+    bounded buffer (every page of the rows holds kept bytes)."""
+    what = f"{source.path}: tensor {name!r}"
+    kept = rows.keep_stop - rows.keep_start
+    if landing.picks_columns:
+        per_read = max(1, landing.piece // rows.row_bytes)
+        for first in range(0, rows.count, per_read):
+            part = rows._replace(count=min(per_read, rows.count - first))
+            offset = begin + first * rows.row_bytes
+            spot = landing.place_rows(at + first * kept, part, offset)
+            source.read_whole(spot.buffer, spot.at, offset, spot.nbytes, what)
+        return
     if _copy_cached_rows(source, begin, rows, landing, at):
         return
-    kept = rows.keep_stop - rows.keep_start
     per_read = min(rows.count, max(1, ROWS_BYTES // rows.row_bytes))
-    per_spot = rows.count if landing.piece is None else per_read * max(1, landing.piece // (per_read * kept))
     whole_rows = _rows_buffer(align_up(per_read * rows.row_bytes) + 2 * PAGE)
-    spot = None
     for first in range(0, rows.count, per_read):
         count = min(per_read, rows.count - first)
         offset = begin + first * rows.row_bytes
         skip = offset % PAGE
-        source.read_whole(whole_rows, skip, offset, count * rows.row_bytes, f"{source.path}: tensor {name!r}")
-        if first % per_spot == 0:
-            if spot is not None:
-                landing.landed(spot)
-            spot = landing.place(at + first * kept, min(per_spot, rows.count - first) * kept)
-        _copy_strided(rows._replace(count=count), 1, 0, 0, whole_rows, skip, spot.buffer,
-                      spot.at + first * kept - (spot.slab_at - at))
-    landing.landed(spot)
+        source.read_whole(whole_rows, skip, offset, count * rows.row_bytes, what)
+        _copy_strided(rows._replace(count=count), 1, 0, 0, whole_rows, skip, landing.buffer, at + first * kept)

@@ -1,5 +1,6 @@
 """Where a group's reads land: in a host slab in place, or in the read thread's bounce buffers,
-uploaded a piece at a time to their place in a GPU slab (rankfs.loader.device)."""
+uploaded a piece at a time to their place in a GPU slab (rankfs.loader.device). A landing's spots
+are written before its next `place` or `flush`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import torch
 
 from rankfs.loader.device import PIECE_BYTES, DeviceSlabs
 from rankfs.loader.slabs import Slab
+from rankfs.plan.spec import Rows
 
 
 class Spot(NamedTuple):
     """Where bytes bound for slab[slab_at:slab_at + nbytes] are written: buffer[at:], `at`
-    congruent to slab_at modulo PAGE (and so to their offset in the file, as direct reads need)."""
+    congruent to slab_at modulo PAGE (and so to their offset in the file, as direct reads need).
+    For whole rows (`place_rows`), nbytes of rows, `at` congruent to their offset in the file."""
     buffer: memoryview
     at: int
     slab_at: int
@@ -24,6 +27,7 @@ class HostLanding:
     """Reads land in a host slab in place; it is page-locked once full, where the pool pins."""
 
     piece = None  # a run in one read
+    picks_columns = False  # rows of slices are compacted before they land
 
     def __init__(self, slab: Slab, pool):
         self.slab, self.pool = slab, pool
@@ -31,9 +35,6 @@ class HostLanding:
 
     def place(self, at: int, nbytes: int) -> Spot:
         return Spot(self.buffer, at, at, nbytes)
-
-    def landed(self, spot: Spot):
-        pass
 
     def flush(self):
         pass
@@ -47,6 +48,7 @@ class DeviceLanding:
     to their place in a GPU slab (rankfs.loader.device)."""
 
     piece = PIECE_BYTES
+    picks_columns = True  # whole rows land in a bounce buffer; only the rank's columns go up
 
     def __init__(self, slab: Slab, device: DeviceSlabs):
         self.slab, self.device = slab, device
@@ -56,8 +58,11 @@ class DeviceLanding:
         buffer, position = self.device.bounce().place(self.slab.tensor, at, nbytes)
         return Spot(buffer, position, at, nbytes)
 
-    def landed(self, spot: Spot):
-        self.device.bounce().landed(spot.slab_at, spot.nbytes)
+    def place_rows(self, at: int, rows: Rows, offset: int) -> Spot:
+        """Where whole rows from `offset` in a source are written; their kept columns land at
+        slab[at:]."""
+        buffer, position = self.device.bounce().place_rows(self.slab.tensor, at, rows, offset)
+        return Spot(buffer, position, at, rows.count * rows.row_bytes)
 
     def flush(self):
         sent = self.device.bounce().send()

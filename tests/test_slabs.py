@@ -114,7 +114,6 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
         for begin in range(0, nbytes, piece):  # pieces, as a read thread uploads them
             spot = landing.place(begin, min(piece, nbytes - begin))
             spot.buffer[spot.at:spot.at + spot.nbytes] = data[begin:begin + spot.nbytes].tobytes()
-            landing.landed(spot)
         landing.flush()  # a job's end
         landing.filled()  # the group's
 
