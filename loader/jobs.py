@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from rankfs.loader.landing import DeviceLanding, HostLanding
+from rankfs.loader.landing import DeviceLanding, HostLanding, Spot
 from rankfs.loader.layout import RUN_BYTES, Run
 from rankfs.plan.spec import Rows
 from rankfs.reader.io import PAGE, OpenFile, align_up, anonymous_map
@@ -29,8 +29,8 @@ _thread = threading.local()
 class Copy(NamedTuple):
     """A read into a slab at `at` of `length` bytes of a source from `offset`: a block, or the
     whole rows of a slice spread over them (`rows`), of which the rank's columns land. `read`
-    does it on its own (from the disk, or the page cache); where a group's sources are cached,
-    jobs of copies are made out of maps instead (`_copy_out_of_cache`)."""
+    does it on its own (from the disk, or the page cache); where a group's sources are cached and
+    it lands in a host slab, jobs of copies are made out of maps instead (`_copy_out_of_cache`)."""
     source: OpenFile
     offset: int
     length: int
@@ -220,9 +220,9 @@ def read_run(run: Run, landing: HostLanding | DeviceLanding):
         run.source.read_whole(spot.buffer, spot.at, run.offset + begin, nbytes, where)
 
 
-def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLanding, at: int) -> bool:
+def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, spot: Spot) -> bool:
     """Rows the page cache holds: the rank's columns copied straight out of the source's pages,
-    mapped, to the slab from `at`; whether it could. A read of whole rows would move every
+    mapped, to `spot`; whether it could. A read of whole rows would move every
     row's bytes twice for a quarter of them kept (TP4): a warm sliced load's read threads spent
     most of their time in reads from the page cache, at 1.4 GB/s a thread on the H200 host."""
     nbytes = rows.count * rows.row_bytes
@@ -232,7 +232,7 @@ def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, landing: HostLan
     if whole is None:
         return False
     try:
-        _copy_strided(rows, 1, 0, 0, whole, 0, landing.buffer, at)
+        _copy_strided(rows, 1, 0, 0, whole, 0, spot.buffer, spot.at)
     finally:
         source.unmap(begin, nbytes)
     return True
@@ -254,7 +254,8 @@ def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: Host
             spot = landing.place_rows(at + first * kept, part, offset)
             source.read_whole(spot.buffer, spot.at, offset, spot.nbytes, what)
         return
-    if _copy_cached_rows(source, begin, rows, landing, at):
+    spot = landing.place(at, rows.kept_bytes)  # a host slab: the whole slice in place
+    if _copy_cached_rows(source, begin, rows, spot):
         return
     per_read = min(rows.count, max(1, ROWS_BYTES // rows.row_bytes))
     whole_rows = _rows_buffer(align_up(per_read * rows.row_bytes) + 2 * PAGE)
@@ -263,4 +264,4 @@ def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: Host
         offset = begin + first * rows.row_bytes
         skip = offset % PAGE
         source.read_whole(whole_rows, skip, offset, count * rows.row_bytes, what)
-        _copy_strided(rows._replace(count=count), 1, 0, 0, whole_rows, skip, landing.buffer, at + first * kept)
+        _copy_strided(rows._replace(count=count), 1, 0, 0, whole_rows, skip, spot.buffer, spot.at + first * kept)
