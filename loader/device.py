@@ -199,14 +199,16 @@ class _Upload:
 
 
 @functools.cache
-def _cudart() -> ctypes.CDLL:
+def _cudart() -> ctypes.PyDLL:
     """The CUDA runtime torch loaded (its streams are that runtime's), for the copies torch makes
-    only through a CPU copy: the columns of whole rows uploaded by one pitched copy."""
+    only through a CPU copy: the columns of whole rows uploaded by one pitched copy. Its calls
+    queue a copy and return in microseconds, so they keep the GIL: a call that lets it go waits
+    to take it back behind every other thread that wants it."""
     with open("/proc/self/maps") as maps:
         paths = [line.split(maxsplit=5)[-1].strip() for line in maps]
     path = next((p for p in paths if os.path.basename(p).startswith("libcudart.so")),
                 f"libcudart.so.{torch.version.cuda.split('.')[0]}")
-    runtime = ctypes.CDLL(path)
+    runtime = ctypes.PyDLL(path)
     runtime.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                           ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     return runtime

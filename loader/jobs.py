@@ -29,14 +29,15 @@ _thread = threading.local()
 class Copy(NamedTuple):
     """A read into a slab at `at` of `length` bytes of a source from `offset`: a block, or the
     whole rows of a slice spread over them (`rows`), of which the rank's columns land. `read`
-    does it on its own (from the disk, or the page cache); where a group's sources are cached and
-    it lands in a host slab, jobs of copies are made out of maps instead (`_copy_out_of_cache`)."""
+    does it on its own (from the disk, or the page cache; `read(cached=True)` where the group's
+    sources were found cached); where a group's sources are cached and it lands in a host slab,
+    jobs of copies are made out of maps instead (`_copy_out_of_cache`)."""
     source: OpenFile
     offset: int
     length: int
     at: int
     rows: Rows | None
-    read: Callable[[], None]
+    read: Callable[..., None]
 
     @property
     def landed(self) -> int:
@@ -78,10 +79,24 @@ def _run_job(trace, nbytes: int, reads: int, work, args: tuple):
     if not trace.on:
         work(*args)
         return
-    began, cpu = time.monotonic(), time.thread_time()
+    began, cpu, scheduled = time.monotonic(), time.thread_time(), _scheduled()
     work(*args)
+    waited, switches = (after - before for after, before in zip(_scheduled(), scheduled))
     trace.event("job", began=began, ended=time.monotonic(), cpu=round(time.thread_time() - cpu, 6),
-                bytes=nbytes, reads=reads)
+                bytes=nbytes, reads=reads, thread=threading.current_thread().name,
+                runnable=round(waited, 6), switches=switches)
+
+
+def _scheduled() -> tuple[float, int]:
+    """This thread's seconds waiting for a CPU while runnable, and how many times it was switched
+    in (/proc/thread-self/schedstat; zeros where the kernel keeps none): a job's time neither on a
+    CPU nor runnable it slept (the GIL, a bounce buffer's upload, the disk)."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            _, runnable, switches = stat.read().split()
+    except (OSError, ValueError):
+        return 0.0, 0
+    return int(runnable) / 1e9, int(switches)
 
 
 def cpu_work(copies: list[Copy]) -> bool:
@@ -109,16 +124,17 @@ def cached_jobs(copies: list[Copy], landing, trace) -> list:
     (RUN_BYTES in a host slab). One larger alone is a job of its own read. Into a host slab they
     are copied out of maps; where a bounce buffer takes them they are read (pread): a block of
     rows moved at 26-34 GB/s against 11-14 out of maps from 8 threads on the H200 host, which a
-    map's page faults and unmapping cost."""
+    map's page faults and unmapping cost. Their reads do not ask the page cache again
+    (`cpu_work` did, for the whole group): each call lets the GIL go and waits to take it back."""
     cap = landing.piece or RUN_BYTES
     jobs, job = [], []
 
     def close_job():
-        work, args = (_run_each, [c.read for c in job]) if landing.picks_columns else (_copy_out_of_cache, job)
+        work, args = (_run_each, [_cached_read(c) for c in job]) if landing.picks_columns else (_copy_out_of_cache, job)
         jobs.append(_job(trace, sum(c.length for c in job), len(job), work, args, landing))
     for copy in sorted(copies, key=lambda c: c.at):
         if copy.landed > cap:
-            jobs.append(_job(trace, copy.length, 1, _run_each, [copy.read], landing))
+            jobs.append(_job(trace, copy.length, 1, _run_each, [_cached_read(copy)], landing))
             continue
         if job and copy.at + copy.landed - job[0].at > cap:
             close_job()
@@ -157,7 +173,12 @@ def _copy_out_of_cache(copies: list[Copy], landing):
     finally:
         for source, (begin, whole) in maps.items():
             source.unmap(begin, len(whole))
-    _run_each([copy.read for copy in copies], landing)  # a source could not be mapped
+    _run_each([_cached_read(copy) for copy in copies], landing)  # a source could not be mapped
+
+
+def _cached_read(copy: Copy) -> functools.partial:
+    """The copy's read, told that its sources are in the page cache (`cpu_work` asked)."""
+    return functools.partial(copy.read, cached=True)
 
 
 def _strided(copies: list[Copy]):
@@ -210,23 +231,23 @@ def _rows_buffer(nbytes: int) -> memoryview:
     return memoryview(buffer)
 
 
-def read_run(run: Run, landing: HostLanding | DeviceLanding):
-    """A run into its place in the slab, a landing's piece at a time."""
+def read_run(run: Run, landing: HostLanding | DeviceLanding, cached: bool = False):
+    """A run into its place in the slab, a landing's piece at a time (`cached`: OpenFile.read_into)."""
     where = f"{run.source.path}: tensor {run.first!r}"
     piece = landing.piece or run.length
     for begin in range(0, run.length, piece):
         nbytes = min(piece, run.length - begin)
         spot = landing.place(run.at + begin, nbytes)
-        run.source.read_whole(spot.buffer, spot.at, run.offset + begin, nbytes, where)
+        run.source.read_whole(spot.buffer, spot.at, run.offset + begin, nbytes, where, cached)
 
 
-def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, spot: Spot) -> bool:
-    """Rows the page cache holds: the rank's columns copied straight out of the source's pages,
-    mapped, to `spot`; whether it could. A read of whole rows would move every
+def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, spot: Spot, cached: bool) -> bool:
+    """Rows the page cache holds (`cached`: known to): the rank's columns copied straight out of
+    the source's pages, mapped, to `spot`; whether it could. A read of whole rows would move every
     row's bytes twice for a quarter of them kept (TP4): a warm sliced load's read threads spent
     most of their time in reads from the page cache, at 1.4 GB/s a thread on the H200 host."""
     nbytes = rows.count * rows.row_bytes
-    if not source.cached(begin, begin + nbytes):
+    if not (cached or source.cached(begin, begin + nbytes)):
         return False  # read from the disk (direct), not faulted into the page cache
     whole = source.mapped(begin, nbytes)
     if whole is None:
@@ -239,7 +260,7 @@ def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, spot: Spot) -> b
 
 
 def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: HostLanding | DeviceLanding,
-              at: int):
+              at: int, cached: bool = False):
     """A slice spread over rows, its kept columns to the slab from `at`: whole rows read into a
     bounce buffer, a piece of them at a time, where the landing picks the columns (the GPU's);
     else the columns copied out of the page cache's pages, or out of whole rows read through a
@@ -252,10 +273,10 @@ def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: Host
             part = rows._replace(count=min(per_read, rows.count - first))
             offset = begin + first * rows.row_bytes
             spot = landing.place_rows(at + first * kept, part, offset)
-            source.read_whole(spot.buffer, spot.at, offset, spot.nbytes, what)
+            source.read_whole(spot.buffer, spot.at, offset, spot.nbytes, what, cached)
         return
     spot = landing.place(at, rows.kept_bytes)  # a host slab: the whole slice in place
-    if _copy_cached_rows(source, begin, rows, spot):
+    if _copy_cached_rows(source, begin, rows, spot, cached):
         return
     per_read = min(rows.count, max(1, ROWS_BYTES // rows.row_bytes))
     whole_rows = _rows_buffer(align_up(per_read * rows.row_bytes) + 2 * PAGE)
@@ -263,5 +284,5 @@ def read_rows(source: OpenFile, begin: int, rows: Rows, name: str, landing: Host
         count = min(per_read, rows.count - first)
         offset = begin + first * rows.row_bytes
         skip = offset % PAGE
-        source.read_whole(whole_rows, skip, offset, count * rows.row_bytes, what)
+        source.read_whole(whole_rows, skip, offset, count * rows.row_bytes, what, cached)
         _copy_strided(rows._replace(count=count), 1, 0, 0, whole_rows, skip, spot.buffer, spot.at + first * kept)

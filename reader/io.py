@@ -220,13 +220,15 @@ class OpenFile:
             with self._lock:
                 self._cached_before.append((begin, self._residency(begin, end)))
 
-    def read_into(self, buffer: memoryview, at: int, offset: int, length: int, what: str) -> int:
+    def read_into(self, buffer: memoryview, at: int, offset: int, length: int, what: str,
+                  cached: bool = False) -> int:
         """Bytes [offset, offset + length) of the file into buffer[at:at + length]; returns how
-        many, fewer only at the end of the file. Direct unless the page cache holds them all; a
-        direct read fills buffer[align_down(at):align_up(at + length)], so `at` must be congruent to
-        `offset` modulo PAGE and the buffer start on a page."""
+        many, fewer only at the end of the file. Direct unless the page cache holds them all
+        (`cached`: the caller has just asked, for many reads at once); a direct read fills
+        buffer[align_down(at):align_up(at + length)], so `at` must be congruent to `offset` modulo
+        PAGE and the buffer start on a page."""
         direct_fd = self.direct_fd
-        cached = self.cached(offset, offset + length)
+        cached = cached or self.cached(offset, offset + length)
         if cached or direct_fd is None:
             if not cached:  # pages this read may add to the cache
                 self.reading_through_cache(offset, offset + length)
@@ -248,9 +250,9 @@ class OpenFile:
                 break
         return max(0, min(done - skip, length))
 
-    def read_whole(self, buffer: memoryview, at: int, offset: int, length: int, what: str):
+    def read_whole(self, buffer: memoryview, at: int, offset: int, length: int, what: str, cached: bool = False):
         """`read_into`, every byte or an error: a file cut short since it was opened names `what`."""
-        if self.read_into(buffer, at, offset, length, what) < length:
+        if self.read_into(buffer, at, offset, length, what, cached) < length:
             raise OSError(f"{what}: short read at offset {offset}; the file was truncated")
 
     def _stop_direct(self, direct_fd: int):

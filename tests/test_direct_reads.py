@@ -118,6 +118,15 @@ def test_cached_bytes_are_copied_from_the_page_cache(source):
     assert bytes(buffer[7:5007]) == data[4 * PAGE + 7:4 * PAGE + 5007]
 
 
+def test_a_read_told_its_bytes_are_cached_reads_through_the_page_cache_without_asking(source):
+    """A group's reads whose sources were found cached at once (the hook's warm sliced experts)
+    skip a cachestat each: a page evicted since is read back through the page cache."""
+    opened, data = source
+    buffer = memoryview(mmap.mmap(-1, 1 << 20))
+    assert opened.read_into(buffer, 0, 3 * PAGE, 2 * PAGE, "source", cached=True) == 2 * PAGE
+    assert bytes(buffer[:2 * PAGE]) == data[3 * PAGE:5 * PAGE] and opened.cached(3 * PAGE, 5 * PAGE)
+
+
 def test_without_direct_reads_only_what_was_added_to_the_cache_is_dropped(source):
     opened, data = source
     buffered = OpenFile(opened.path, direct=False)

@@ -135,9 +135,13 @@ def _jobs(jobs: list[dict]) -> str:
         return "jobs: none traced"
     wall = sum(e["ended"] - e["began"] for e in jobs)
     cpu = sum(e["cpu"] for e in jobs)
+    runnable = sum(e.get("runnable", 0) for e in jobs)
+    some = _union([(e["began"], e["ended"]) for e in jobs])
     return (f"jobs: {len(jobs)}, {sum(e['reads'] for e in jobs)} reads, {wall:.2f} s in all, of it "
-            f"{cpu:.2f} s on a CPU ({cpu / wall:.0%}); a job {_quantiles([e['ended'] - e['began'] for e in jobs])} s, "
-            f"{sum(e['bytes'] for e in jobs) / wall / GB:.2f} GB/s a thread")
+            f"{cpu:.2f} s on a CPU ({cpu / wall:.0%}), {runnable:.2f} s waiting for one, the rest asleep, "
+            f"switched in {sum(e.get('switches', 0) for e in jobs)} times; a job "
+            f"{_quantiles([e['ended'] - e['began'] for e in jobs])} s, {sum(e['bytes'] for e in jobs) / wall / GB:.2f} "
+            f"GB/s a thread; {wall / some:.1f} threads in a job on average over the {some:.2f} s some thread was")
 
 
 def _overlap(begin: float, end: float, lo: float, hi: float) -> float:
