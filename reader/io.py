@@ -224,7 +224,8 @@ class OpenFile:
                   cached: bool = False) -> int:
         """Bytes [offset, offset + length) of the file into buffer[at:at + length]; returns how
         many, fewer only at the end of the file. Direct unless the page cache holds them all
-        (`cached`: the caller has just asked, for many reads at once); a direct read fills
+        (`cached`: the caller has just asked, for many reads at once, and a page evicted since
+        comes back into the cache); a direct read fills
         buffer[align_down(at):align_up(at + length)], so `at` must be congruent to `offset` modulo
         PAGE and the buffer start on a page."""
         direct_fd = self.direct_fd
