@@ -119,7 +119,8 @@ class Hook:
             elif self.executor is None:
                 self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget,
                                                 hold=self._earlier_file_opening,
-                                                cpu_threads=self.settings.cpu_work_threads())
+                                                cpu_threads=self.settings.cpu_work_threads(),
+                                                disk_nice=self.settings.read_nice)
                 if self.on_device is not None:
                     self.on_device.prepare_bounces(self.settings.threads)
         return MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)

@@ -99,15 +99,18 @@ def _scheduled() -> tuple[float, int]:
     return int(runnable) / 1e9, int(switches)
 
 
-def cpu_work(copies: list[Copy]) -> bool:
-    """Whether a group's slab is filled by copies out of the page cache, reads of a few MB on
-    average (sliced experts, their sources cached): work for the CPU alone, on as many read threads
-    as half the cores (rankfs.loader.ordered). Read from the disk, every thread keeps a read in
-    flight. One cachestat per source, over all of the group's reads from it: so every page between
-    a group's first and last read of a source is cached."""
-    if not copies or sum(copy.length for copy in copies) >= len(copies) * SMALL_READ_BYTES:
-        return False
+def all_cached(copies: list[Copy]) -> bool:
+    """Whether the page cache holds every page between a group's first and last read of each
+    source: one cachestat per source, over all of its reads."""
     return all(source.cached(begin, end) for source, (begin, end) in _covering(copies).items())
+
+
+def cpu_work(copies: list[Copy], cached: bool) -> bool:
+    """Whether a group's slab is filled by copies out of the page cache (`cached`: all_cached),
+    reads of a few MB on average (sliced experts, their sources cached): work for the CPU alone,
+    on as many read threads as half the cores (rankfs.loader.ordered). Read from the disk, every
+    thread keeps a read in flight."""
+    return cached and bool(copies) and sum(copy.length for copy in copies) < len(copies) * SMALL_READ_BYTES
 
 
 def _covering(copies: list[Copy]) -> dict[OpenFile, tuple[int, int]]:
@@ -125,7 +128,7 @@ def cached_jobs(copies: list[Copy], landing, trace) -> list:
     are copied out of maps; where a bounce buffer takes them they are read (pread): a block of
     rows moved at 26-34 GB/s against 11-14 out of maps from 8 threads on the H200 host, which a
     map's page faults and unmapping cost. Their reads do not ask the page cache again
-    (`cpu_work` did, for the whole group): each call lets the GIL go and waits to take it back."""
+    (`all_cached` did, for the whole group): each call lets the GIL go and waits to take it back."""
     cap = landing.piece or RUN_BYTES
     jobs, job = [], []
 
@@ -146,7 +149,7 @@ def cached_jobs(copies: list[Copy], landing, trace) -> list:
 
 
 def _copy_out_of_cache(copies: list[Copy], landing):
-    """Copies whose sources the page cache holds (`cpu_work`), made out of one map of each source
+    """Copies whose sources the page cache holds (`all_cached`), made out of one map of each source
     into one place of the slab, those alike at constant steps in a single numpy call each
     (`_strided`). Read one by one, a sliced expert was six reads of its own, each taking the GIL
     back a few times: a warm EP1 sliced load's read threads ran 31-38 % of their jobs' time on the
@@ -177,7 +180,7 @@ def _copy_out_of_cache(copies: list[Copy], landing):
 
 
 def _cached_read(copy: Copy) -> functools.partial:
-    """The copy's read, told that its sources are in the page cache (`cpu_work` asked)."""
+    """The copy's read, told that its sources are in the page cache (`all_cached` asked)."""
     return functools.partial(copy.read, cached=True)
 
 

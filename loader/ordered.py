@@ -10,14 +10,18 @@ waits for the budget, and what waits for it is what the loader needs last.
 Parts that are CPU work (copies out of the page cache in pieces of a few MB) run on `cpu_threads`
 at most (the hook's: HookSettings.cpu_work_threads): each takes the GIL between its calls, and
 where cores are few the loader's loop, which hands out and narrows every tensor, waits behind each
-thread that wants it. Reads from the disk keep every thread (a read in flight each). Measured in
-docs/benchmark.md, eighteenth and twenty-eighth sessions.
+thread that wants it. Reads from the disk keep every thread (a read in flight each), and run at
+`disk_nice` from the thread's own niceness (negative: ahead of the loader's threads), which the
+thread keeps until it runs a part of another kind: a read that completes needs the CPU only to
+start the next, and where cores are few the loader's copy threads held the disk idle meanwhile. Measured in docs/benchmark.md, eighteenth, twenty-eighth and
+thirty-seventh sessions.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import threading
 from concurrent.futures import Future
 from typing import Callable
@@ -29,13 +33,14 @@ _thread = threading.local()
 
 
 class _Job:
-    __slots__ = ("key", "sequence", "future", "fn", "args", "cost", "urgent", "part", "cpu")
+    __slots__ = ("key", "sequence", "future", "fn", "args", "cost", "urgent", "part", "cpu", "disk")
 
-    def __init__(self, key, sequence, future, fn, args, cost, urgent, part=False, cpu=False):
+    def __init__(self, key, sequence, future, fn, args, cost, urgent, part=False, cpu=False, disk=False):
         self.key, self.sequence, self.future, self.fn, self.args = key, sequence, future, fn, args
         self.cost, self.urgent = cost, urgent
         self.part = part  # a part of a group's reads (run_all), which any thread may run
         self.cpu = cpu  # a part that is CPU work: on `cpu_threads` at most
+        self.disk = disk  # a part that reads from the disk: at `disk_nice`
 
     def __lt__(self, other):
         return (self.key, self.sequence) < (other.key, other.sequence)
@@ -53,10 +58,12 @@ class _Job:
 
 class OrderedExecutor:
     def __init__(self, threads: int, name: str, budget: Budget | None = None,
-                 hold: Callable[[tuple], bool] | None = None, cpu_threads: int | None = None):
+                 hold: Callable[[tuple], bool] | None = None, cpu_threads: int | None = None, disk_nice: int = 0):
         """`hold(key)`: whether a job with a cost and that key waits for now, however much room the
         budget has and urgent or not (`wake` once that may have changed); `cpu_threads`: how many
-        may run CPU-work parts at once (half of them by default)."""
+        may run CPU-work parts at once (half of them by default); `disk_nice`: the niceness, relative
+        to the thread's own, that parts reading from the disk run at, where the process may."""
+        self._disk_nice = disk_nice
         self._queue: list[_Job] = []  # sorted, lowest key first
         self._hold = hold
         self._chores: list[Callable[[], None]] = []  # run when no job can
@@ -80,12 +87,12 @@ class OrderedExecutor:
         run, or once urgent() holds."""
         return self._enqueue(key, fn, args, cost, urgent)
 
-    def _enqueue(self, key, fn, args, cost=0, urgent=None, part=False, cpu=False) -> Future:
+    def _enqueue(self, key, fn, args, cost=0, urgent=None, part=False, cpu=False, disk=False) -> Future:
         future: Future = Future()
         with self._ready:
             if self._closed:
                 raise RuntimeError("the hook's read threads were shut down")
-            bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent, part, cpu))
+            bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent, part, cpu, disk))
             self._ready.notify()
         return future
 
@@ -109,16 +116,17 @@ class OrderedExecutor:
             if self._held_back:
                 self._ready.notify()
 
-    def run_all(self, key: tuple, jobs: list, cpu: bool = False):
+    def run_all(self, key: tuple, jobs: list, cpu: bool = False, disk: bool = False):
         """Run every job (a callable) on this thread and on whichever others are free for them
         (queued under key + (i,), before any later key), on `cpu_threads` at most where they
-        are CPU work (`cpu`); return when all are done, raising the first error. Until they are,
+        are CPU work (`cpu`), at `disk_nice` where they read from the disk (`disk`); return when
+        all are done, raising the first error. Until they are,
         this thread runs the first part of any group queued, its own or one the loader needs
         sooner, and starts a group the loader needs sooner: threads that took groups read ahead
         (eight at the start of a load) would otherwise each read their own, and the file the loader
         waits for would get one thread of eight, or none. It never waits on queued work, only on
         jobs running."""
-        parts = [self._enqueue((*key, i), job, (), part=True, cpu=cpu) for i, job in enumerate(jobs)]
+        parts = [self._enqueue((*key, i), job, (), part=True, cpu=cpu, disk=disk) for i, job in enumerate(jobs)]
         while not all(part.done() for part in parts):
             with self._ready:
                 # Once per thread, no deeper: when every thread holds a group, the file the loader
@@ -209,6 +217,8 @@ class OrderedExecutor:
 
     def _run(self, job: _Job):
         """Run an admitted job; a cancelled one gives its reserved cost back."""
+        if job.part and self._disk_nice:  # kept until a part of the other kind: no call per part
+            _renice(self._disk_nice if job.disk else 0)
         try:
             if not job.run() and job.cost and self._budget is not None:
                 self._budget.release(job.cost)
@@ -217,3 +227,23 @@ class OrderedExecutor:
                 with self._ready:
                     self._cpu_running -= 1
                     self._ready.notify()  # a CPU-work part may have waited for this one
+
+
+_may_renice = True  # until the kernel refuses: a process without CAP_SYS_NICE or RLIMIT_NICE room
+
+
+def _renice(steps: int):
+    """This thread's niceness set `steps` from its own (as it was at its first call), where the
+    process may and it is not already."""
+    global _may_renice
+    if not _may_renice or getattr(_thread, "steps", 0) == steps:
+        return
+    thread = threading.get_native_id()
+    if not hasattr(_thread, "nice"):
+        _thread.nice = os.getpriority(os.PRIO_PROCESS, thread)
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, max(-20, _thread.nice + steps)))
+    except PermissionError:
+        _may_renice = False
+        return
+    _thread.steps = steps

@@ -15,6 +15,12 @@
     RANKFS_HOOK_THREADS     8                      read threads (as many as half the cores, half of
                                                    them at least, for copies out of the page cache
                                                    in small reads)
+    RANKFS_HOOK_READ_NICE   -10                    the read threads' niceness while they read from
+                                                   the disk, relative to their own (a thread whose
+                                                   read completes starts the next before the
+                                                   loader's copy threads run on); 0: as their own.
+                                                   Needs CAP_SYS_NICE or RLIMIT_NICE room: without,
+                                                   as their own
     RANKFS_HOOK_TRACE       (off)                  write the hook's read events to this file, a JSON
                                                    line each ({pid} is replaced by the process id);
                                                    read by `python3 -m dev.bench.trace`
@@ -83,13 +89,13 @@ def _trace_file(name: str) -> str | None:
 class HookSettings:
     """A plain class, not a dataclass: every Python process of the engine imports it at start-up."""
 
-    __slots__ = ("mode", "map_sources", "device", "slab_bytes", "budget_bytes", "threads", "trace_file")
+    __slots__ = ("mode", "map_sources", "device", "slab_bytes", "budget_bytes", "threads", "read_nice", "trace_file")
 
     def __init__(self, mode: str = "on", map_sources: str = "auto", device: str = "auto",
                  slab_bytes: int = 256 << 20, budget_bytes: int | None = None, threads: int = 8,
-                 trace_file: str | None = None):
+                 read_nice: int = -10, trace_file: str | None = None):
         self.mode, self.map_sources, self.device, self.slab_bytes = mode, map_sources, device, slab_bytes
-        self.budget_bytes, self.threads, self.trace_file = budget_bytes, threads, trace_file
+        self.budget_bytes, self.threads, self.read_nice, self.trace_file = budget_bytes, threads, read_nice, trace_file
 
     def budget_for(self, host_slabs: bool) -> int:
         """The bytes read ahead (RANKFS_HOOK_INFLIGHT_GB). Unset: 4 GiB, and where slabs are host
@@ -114,6 +120,7 @@ class HookSettings:
                    slab_bytes=(1 << (slab_mb.bit_length() - 1)) << 20,
                    budget_bytes=_inflight_bytes("RANKFS_HOOK_INFLIGHT_GB"),
                    threads=_number("RANKFS_HOOK_THREADS", "8"),
+                   read_nice=_number("RANKFS_HOOK_READ_NICE", "-10", minimum=-39),
                    trace_file=_trace_file("RANKFS_HOOK_TRACE"))
 
 

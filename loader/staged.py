@@ -39,7 +39,7 @@ from concurrent.futures import Future
 import torch
 
 from rankfs.loader.files import RankfsFile
-from rankfs.loader.jobs import Copy, batches, cached_jobs, cpu_work, read_rows, read_run
+from rankfs.loader.jobs import Copy, all_cached, batches, cached_jobs, cpu_work, read_rows, read_run
 from rankfs.loader.landing import DeviceLanding, HostLanding
 from rankfs.loader.layout import Span, Staging, join_touching, lay_out
 from rankfs.loader.slabs import Slab
@@ -172,13 +172,14 @@ class StagedFile(RankfsFile):
                 landing = self._allocate(staging.size, staging.in_slab)
                 placed.update((name, (landing.slab, staging.offsets[name])) for name in staging.in_slab)
                 copies = self._copies(staging, landing)
-            cpu = cpu_work(copies)
+            cached = all_cached(copies)
+            cpu = cpu_work(copies, cached)
             if cpu:
                 jobs = batches(windows, landing, trace) + cached_jobs(copies, landing, trace)
             else:
                 reads = windows + [(copy.source.path, copy.offset, copy.length, copy.read) for copy in copies]
                 jobs = batches(sorted(reads, key=lambda r: r[:2]), landing, trace)
-            self._hook.executor.run_all((self.path, group), jobs, cpu=cpu)
+            self._hook.executor.run_all((self.path, group), jobs, cpu=cpu, disk=not cached)
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
             made = {id(s): s.reserved for s, _ in placed.values()}
             self._hook.budget.release(self._costs[group] - sum(made.values()))

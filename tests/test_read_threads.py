@@ -93,6 +93,48 @@ def test_parts_that_are_cpu_work_run_on_half_the_threads_at_most():
     pool.shutdown()
 
 
+def _niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def _may_renice(steps: int) -> bool:
+    """Whether this process may set a thread's niceness `steps` from its own (CAP_SYS_NICE, or
+    RLIMIT_NICE room), tried on a thread of its own."""
+    could = []
+
+    def probe():
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _niceness() + steps)
+            could.append(True)
+        except PermissionError:
+            could.append(False)
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return could[0]
+
+
+def test_parts_that_read_from_the_disk_run_at_the_read_niceness_where_the_process_may():
+    """A read that completes needs the CPU only to start the next: parts reading from the disk run
+    `disk_nice` from the thread's own niceness (ahead of the loader's threads), where the process
+    may; every other part at its own."""
+    pool = OrderedExecutor(2, "test", disk_nice=-3)
+    own = _niceness()  # threads start at their creator's
+    seen = {"disk": set(), "other": set()}
+
+    def part(kind: str):
+        seen[kind].add(_niceness())
+    try:
+        for turn in range(2):
+            pool.run_all(("f", 2 * turn), [lambda: part("disk")] * 6, disk=True)
+            pool.run_all(("f", 2 * turn + 1), [lambda: part("other")] * 6)
+        assert seen["disk"] == {own - 3 if _may_renice(-3) else own}
+        assert seen["other"] == {own}
+    finally:
+        pool.shutdown()
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), own)  # this thread ran parts too
+
+
 def test_a_group_the_loader_needs_sooner_starts_on_a_thread_inside_a_group():
     """Every thread is inside a group (one thread here): a group with a lower key, submitted
     meanwhile (the loader opened the file it consumes first last), starts on that thread before
