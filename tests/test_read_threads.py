@@ -10,7 +10,7 @@ import pytest
 
 from rankfs.loader.budget import Budget
 from rankfs.loader.ordered import OrderedExecutor
-from rankfs.loader.settings import HookSettings
+from rankfs.loader.settings import HookSettings, SettingError
 
 
 def test_queued_reads_run_in_the_loaders_order():
@@ -133,6 +133,16 @@ def test_parts_that_read_from_the_disk_run_at_the_read_niceness_where_the_proces
     finally:
         pool.shutdown()
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), own)  # this thread ran parts too
+
+
+def test_the_read_niceness_defaults_to_ten_below_and_follows_its_setting(monkeypatch):
+    monkeypatch.delenv("RANKFS_HOOK_READ_NICE", raising=False)
+    assert HookSettings.from_env().read_nice == -10
+    monkeypatch.setenv("RANKFS_HOOK_READ_NICE", "0")
+    assert HookSettings.from_env().read_nice == 0
+    monkeypatch.setenv("RANKFS_HOOK_READ_NICE", "high")
+    with pytest.raises(SettingError, match="RANKFS_HOOK_READ_NICE"):
+        HookSettings.from_env()
 
 
 def test_a_group_the_loader_needs_sooner_starts_on_a_thread_inside_a_group():
