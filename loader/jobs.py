@@ -110,7 +110,7 @@ def cpu_work(copies: list[Copy], cached: bool) -> bool:
     reads of a few MB on average (sliced experts, their sources cached): work for the CPU alone,
     on as many read threads as half the cores (rankfs.loader.ordered). Read from the disk, every
     thread keeps a read in flight."""
-    return cached and bool(copies) and sum(copy.length for copy in copies) < len(copies) * SMALL_READ_BYTES
+    return cached and sum(copy.length for copy in copies) < len(copies) * SMALL_READ_BYTES
 
 
 def _covering(copies: list[Copy]) -> dict[OpenFile, tuple[int, int]]:

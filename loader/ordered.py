@@ -13,8 +13,8 @@ where cores are few the loader's loop, which hands out and narrows every tensor,
 thread that wants it. Reads from the disk keep every thread (a read in flight each), and run at
 `disk_nice` from the thread's own niceness (negative: ahead of the loader's threads), which the
 thread keeps until it runs a part of another kind: a read that completes needs the CPU only to
-start the next, and where cores are few the loader's copy threads held the disk idle meanwhile. Measured in docs/benchmark.md, eighteenth, twenty-eighth and
-thirty-seventh sessions.
+start the next, and where cores are few the loader's copy threads held the disk idle meanwhile.
+Measured in docs/benchmark.md, eighteenth, twenty-eighth and thirty-seventh sessions.
 """
 
 from __future__ import annotations
