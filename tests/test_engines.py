@@ -30,7 +30,9 @@ LAYOUTS = {  # name -> (mount flags, the engine's MoE layout for that rank)
 
 def drive(engine: str, jobs: list[dict], hook_env: dict, runner: list[str]) -> tuple[list[dict], str]:
     """Run the driver; returns its per-load reports and its stderr (where the memlog lines go)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **hook_env}
+    # The checkout first, then whatever path the engines and rankfs itself were found on.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           **hook_env}
     result = subprocess.run([*runner, sys.executable, str(ROOT / "tests" / "engine_driver.py"), engine, json.dumps(jobs)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
