@@ -305,18 +305,20 @@ class Bounce:
         if not pending:
             return
         source = self.tensors[index]
-        for upload in pending:
-            if self.stream is None:  # host memory standing in for the GPU's (tests)
+        if self.stream is None:  # host memory standing in for the GPU's (tests)
+            for upload in pending:
                 rows = source.as_strided((upload.height, upload.width), (upload.pitch, 1), upload.position)
                 target[upload.at:upload.end].view(upload.height, upload.width).copy_(rows)
-                continue
-            error = _cudart().cudaMemcpy2DAsync(
-                target.data_ptr() + upload.at, upload.width, source.data_ptr() + upload.position, upload.pitch,
-                upload.width, upload.height, _HOST_TO_DEVICE, self.stream.cuda_stream)
+            return
+        # Asked once per buffer, not per upload: each is a call that holds the GIL.
+        copy, stream = _cudart().cudaMemcpy2DAsync, self.stream.cuda_stream
+        target_at, source_at = target.data_ptr(), source.data_ptr()
+        for upload in pending:
+            error = copy(target_at + upload.at, upload.width, source_at + upload.position, upload.pitch,
+                         upload.width, upload.height, _HOST_TO_DEVICE, stream)
             if error:
                 raise RuntimeError(f"rankfs hook: an upload to {target.device} failed (CUDA error {error})")
-        if self.stream is not None:
-            self.uploads[index].record(self.stream)
+        self.uploads[index].record(self.stream)
 
     @property
     def nbytes(self) -> int:
