@@ -44,9 +44,10 @@ def test_a_load_whose_weights_differ_from_the_originals_is_flagged():
     assert views_only[0]["bitwise"] is None  # nothing read from the originals to compare with
 
 
-def test_a_repeated_run_measures_every_row_once_a_round(tmp_path):
+def test_a_repeated_run_measures_every_row_once_a_round_in_turn_reversed(tmp_path):
     """--repeat N: N rounds of every row, each in a process of its own, so a drift of the disk
-    moves every row alike; each row reports its median run and every run's seconds."""
+    moves every row alike, every other round in reverse, so that no row always follows another;
+    each row reports its median run and every run's seconds."""
     source = tmp_path / "shard"
     source.write_bytes(os.urandom(1 << 20))
     journal = tmp_path / "rows.jsonl"
@@ -54,7 +55,7 @@ def test_a_repeated_run_measures_every_row_once_a_round(tmp_path):
     ranges = {"ranges": [(str(source), 0, 1 << 20)], "direct": False}
     rows = bench.rows([("first", "raw", ranges, None), ("second", "raw", ranges, None)], "warm", [str(source)])
     measured = [json.loads(line)["path"] for line in journal.read_text().splitlines()]
-    assert measured == ["first", "second"] * 3
+    assert measured == ["first", "second", "second", "first", "first", "second"]
     for row in rows:
         assert len(row["runs_seconds"]) == 3 and row["seconds"] == sorted(row["runs_seconds"])[1]
 

@@ -159,13 +159,15 @@ class Bench:
         own (through a fresh mount of the `view` rank, where it reads one: `args` then takes the
         mount point), round by round, every row once a round: on a shared host the same load moves
         by up to 2x within minutes, and a disk's rate drifts between rounds, more than most
-        differences measured. The run of median time (of two, the faster) stands for the row,
-        every run's seconds beside it."""
+        differences measured. Every other round runs the rows in reverse: on the 2-core VM the
+        second of two variants ran faster whichever it was. The run of median time (of two, the
+        faster) stands for the row, every run's seconds beside it."""
         runs = [[] for _ in specs]
         for run in range(self.repeat):
             if self.repeat > 1:
-                self.log(f"  {mode} round {run + 1} of {self.repeat}")
-            for (label, kind, args, view), done in zip(specs, runs):
+                self.log(f"  {mode} round {run + 1} of {self.repeat}" + (", rows in reverse" if run % 2 else ""))
+            order = list(zip(specs, runs))
+            for (label, kind, args, view), done in order[::-1] if run % 2 else order:
                 done.append(self.run_once(label, kind, args, mode, files, view, run))
         return [median_run(done) for done in runs]
 
