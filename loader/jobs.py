@@ -29,7 +29,7 @@ _thread = threading.local()
 class Copy(NamedTuple):
     """A read into a slab at `at` of `length` bytes of a source from `offset`: a block, or the
     whole rows of a slice spread over them (`rows`), of which the rank's columns land. `read`
-    does it on its own (from the disk, or the page cache; `read(cached=True)` where the group's
+    does it on its own (from the disk, or the page cache; `read_as(True)` where the group's
     sources were found cached); where a group's sources are cached and it lands in a host slab,
     jobs of copies are made out of maps instead (`_copy_out_of_cache`)."""
     source: OpenFile
@@ -38,6 +38,12 @@ class Copy(NamedTuple):
     at: int
     rows: Rows | None
     read: Callable[..., None]
+
+    def read_as(self, cached: bool) -> functools.partial:
+        """Its read, told whether the group's sources were found cached (`all_cached`): one told
+        so does not ask the page cache again, a call that lets the GIL go and waits to take it
+        back."""
+        return functools.partial(self.read, cached=cached)
 
     @property
     def landed(self) -> int:
@@ -128,16 +134,16 @@ def cached_jobs(copies: list[Copy], landing, trace) -> list:
     are copied out of maps; where a bounce buffer takes them they are read (pread): a block of
     rows moved at 26-34 GB/s against 11-14 out of maps from 8 threads on the H200 host, which a
     map's page faults and unmapping cost. Their reads do not ask the page cache again
-    (`all_cached` did, for the whole group): each call lets the GIL go and waits to take it back."""
+    (`Copy.read_as`)."""
     cap = landing.piece or RUN_BYTES
     jobs, job = [], []
 
     def close_job():
-        work, args = (_run_each, [_cached_read(c) for c in job]) if landing.picks_columns else (_copy_out_of_cache, job)
+        work, args = (_run_each, [c.read_as(True) for c in job]) if landing.picks_columns else (_copy_out_of_cache, job)
         jobs.append(_job(trace, sum(c.length for c in job), len(job), work, args, landing))
     for copy in sorted(copies, key=lambda c: c.at):
         if copy.landed > cap:
-            jobs.append(_job(trace, copy.length, 1, _run_each, [_cached_read(copy)], landing))
+            jobs.append(_job(trace, copy.length, 1, _run_each, [copy.read_as(True)], landing))
             continue
         if job and copy.at + copy.landed - job[0].at > cap:
             close_job()
@@ -176,12 +182,7 @@ def _copy_out_of_cache(copies: list[Copy], landing):
     finally:
         for source, (begin, whole) in maps.items():
             source.unmap(begin, len(whole))
-    _run_each([_cached_read(copy) for copy in copies], landing)  # a source could not be mapped
-
-
-def _cached_read(copy: Copy) -> functools.partial:
-    """The copy's read, told that its sources are in the page cache (`all_cached` asked)."""
-    return functools.partial(copy.read, cached=True)
+    _run_each([copy.read_as(True) for copy in copies], landing)  # a source could not be mapped
 
 
 def _strided(copies: list[Copy]):

@@ -177,8 +177,7 @@ class StagedFile(RankfsFile):
             if cpu:
                 jobs = batches(windows, landing, trace) + cached_jobs(copies, landing, trace)
             else:
-                reads = windows + [(copy.source.path, copy.offset, copy.length, functools.partial(copy.read, cached=cached))
-                                   for copy in copies]  # asked once for the group, not again per read
+                reads = windows + [(copy.source.path, copy.offset, copy.length, copy.read_as(cached)) for copy in copies]
                 jobs = batches(sorted(reads, key=lambda r: r[:2]), landing, trace)
             self._hook.executor.run_all((self.path, group), jobs, cpu=cpu, disk=not cached)
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
