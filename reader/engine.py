@@ -132,6 +132,8 @@ class ReadEngine:
                 if chunk.pushed and lo < push_end and hi > push_start:  # the kernel asks only for pages it lacks
                     self.stats.evicted_reread_bytes += chunk.length
                 self.held.free(chunk)  # pushed, and its pages since evicted: read it anew
+                if chunk.pushed or chunk.served >= chunk.length:
+                    chunk.handed_anew()
                 self.held.make_room(chunk)
                 chunk.loading = trio.Event()
                 await self._load(chunk)
