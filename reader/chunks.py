@@ -80,7 +80,7 @@ class Chunk:
         """It is read again for bytes the kernel was handed and lacks now (a second reader of the
         view, or pushed pages evicted): this copy is freed once it has been handed whole, not at its
         first request. Counted from the first copy, every request of a view read twice read the
-        whole chunk again (3-9x the view's bytes on the 2-core VM)."""
+        whole chunk again (3-8x the view's bytes in tests/test_memory.py)."""
         self.served = self.listed = self.listed_in_push = 0
 
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 import trio
@@ -76,10 +77,24 @@ class ReadEngine:
         self.views[name] = ViewStream.of(name, files_chunks)
         return self.views[name].files
 
-    def opened(self, file: FileStream, direct: bool = False) -> bool:
+    def opened(self, file: FileStream, direct: bool = False, reader: int | None = None) -> bool:
         """A handle of the file opened (`direct`: with O_DIRECT, bypassing the page cache, as the
-        hook reads headers). Whether the pages a listing of it reads are to be pushed now: its
-        first buffered open, with pushes on, in a view no engine hook loads."""
+        hook reads headers) by the process `reader`. Whether the pages a listing of it reads are to
+        be pushed now: its first buffered open, with pushes on, in a view no engine hook loads.
+
+        A view read before, none of whose files is open, opened by another process once the one
+        that read it has exited has a new reader (an engine restarted on the mount, a peer after
+        it): it is read ahead from its start again. Left as it was, the new reader's requests were
+        each answered by a read on demand, none ahead (a mapped 8 GB EP2 view, its pages evicted,
+        read in 11.1 s against 5.3 the first time on the 2-core VM). The same process opening it
+        again is the same reader (loaders that open one file at a time close each before the
+        next), and one still running may yet read on (another process looking at a header in
+        between must not send the read-ahead back to the start)."""
+        view = file.view
+        if (reader != view.reader and view.active and not any(f.handles for f in view.files)
+                and not os.path.exists(f"/proc/{view.reader}")):
+            self._start_over(view)
+        view.reader = reader
         file.handles += 1
         file.direct_handles += direct
         file.view.opened_direct = direct
@@ -187,6 +202,7 @@ class ReadEngine:
         chunk.served += nbytes
         if chunk.file is not None:
             chunk.file.view.served_bytes += nbytes
+            chunk.file.view.reader_bytes += nbytes
         if free and chunk.served >= chunk.length:
             self.held.free(chunk)
 
@@ -270,12 +286,12 @@ class ReadEngine:
     # -- prefetch -------------------------------------------------------------------------------
 
     def _note_reading(self, file: FileStream):
-        """A loader reads a file: once its view has served PREFETCH_AFTER_BYTES, prefetch it (and the
-        view's next files). Reads of a header and the kernel's readahead around it (an engine probing
+        """A loader reads a file: once its view has served its reader PREFETCH_AFTER_BYTES, prefetch
+        it (and the view's next files). Reads of a header and the kernel's readahead around it (an engine probing
         a dtype) start nothing, nor does opening a file; nor reads of a view an engine hook loads."""
         view = file.view
         file.reading = view.active = True
-        if (not view.running and not view.hooked and view.served_bytes >= PREFETCH_AFTER_BYTES
+        if (not view.running and not view.hooked and view.reader_bytes >= PREFETCH_AFTER_BYTES
                 and not view.prefetched()):
             view.running, view.passes = True, view.passes + 1
             self._nursery.start_soon(self._prefetch, view)
@@ -287,6 +303,10 @@ class ReadEngine:
         if view is None or view.hooked:
             return
         view.hooked = True
+        self._start_over(view)
+
+    def _start_over(self, view: ViewStream):
+        """The view is read from its start again (`ViewStream.restart`); what was read ahead in it is freed."""
         view.restart()
         for chunk in [c for c in self.held.loaded.values() if c.file is not None and c.file.view is view]:
             self.held.free(chunk)

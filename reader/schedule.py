@@ -75,6 +75,8 @@ class ViewStream:
     passes: int = 0
     planned_bytes: int = 0
     served_bytes: int = 0
+    reader_bytes: int = 0  # of them, served since its current reader began (the last restart)
+    reader: int | None = None  # the process that opened a file of it last
 
     @classmethod
     def of(cls, name: str, files_chunks: list[list[Chunk]]) -> "ViewStream":
@@ -110,8 +112,9 @@ class ViewStream:
         return all(f.cursor >= len(f.chunks) for f in self.files)
 
     def restart(self):
-        """A view read again after a drop (another engine, a restart) is prefetched from its start."""
-        self.running, self.passes = False, self.passes + 1  # ends the pass under way
+        """A view read again after a drop, or by a new reader (another engine, a restart), is
+        prefetched from its start, once that reader has read PREFETCH_AFTER_BYTES."""
+        self.running, self.passes, self.reader_bytes = False, self.passes + 1, 0  # ends the pass under way
         for file in self.files:
             file.cursor, file.frontier, file.reading, file.served, file.reached = 0, 0, False, 0, 0
             for chunk in file.chunks:

@@ -5,12 +5,16 @@ after `rankfs drop` the views hold no page cache."""
 from __future__ import annotations
 
 import collections
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from conftest import direct_digests, mapped_digests, mounted, rankfs, settled_status
 from dev.bench.trace import read_events
+from dev.session import ROOT
 from dev.memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
 from rankfs import contract
 from rankfs.reader.engine import DEMAND_SLACK
@@ -118,6 +122,22 @@ def test_a_view_read_again_reads_each_chunk_once_more(large_checkpoint, mount_di
         after = settled_status(mount_dir)
     assert _planned(before) <= before["read_bytes"] - before["evicted_reread_bytes"] < 1.02 * _planned(before)
     assert after["read_bytes"] - before["read_bytes"] < 1.1 * _planned(after)
+    assert after["prefetch_loads"] == before["prefetch_loads"]  # the same process: the same reader, read on demand
+
+
+def test_a_new_reader_process_is_read_ahead_again(large_checkpoint, mount_dir):
+    """An engine restarted on the mount (its view's pages evicted meanwhile) is a process that opens
+    the view after the one that read it has exited: the view is read ahead and pushed for it again,
+    each chunk read once more."""
+    with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+        first = _mapped_digests_in_a_process(mount_dir / "target")
+        before = settled_status(mount_dir)
+        _evict_page_cache(mount_dir / "target")
+        assert _mapped_digests_in_a_process(mount_dir / "target") == first
+        after = settled_status(mount_dir)
+    assert after["prefetch_loads"] - before["prefetch_loads"] > 0.9 * before["prefetch_loads"]
+    assert after["pushed_bytes"] - before["pushed_bytes"] > 0
+    assert after["read_bytes"] - before["read_bytes"] < 1.1 * _planned(after)
 
 
 def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):
@@ -141,3 +161,12 @@ def _evict_page_cache(directory):
 def _planned(status: dict) -> int:
     """The source bytes of the views read (their plans)."""
     return sum(v["planned_bytes"] for v in status["views"] if v["active"])
+
+
+def _mapped_digests_in_a_process(directory) -> dict[str, str]:
+    """`mapped_digests` read by a process of its own, which has exited when this returns."""
+    code = "import json, pathlib, sys; sys.path[:0] = ['tests', '.']; from conftest import mapped_digests; " \
+           "print(json.dumps(mapped_digests(pathlib.Path(sys.argv[1]))))"
+    run = subprocess.run([sys.executable, "-c", code, str(directory)], cwd=ROOT, check=True,
+                         capture_output=True, text=True)
+    return json.loads(run.stdout)

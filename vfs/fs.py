@@ -134,7 +134,7 @@ class RankFS(pyfuse3.Operations):
         direct = bool(flags & os.O_DIRECT)
         if direct:
             self._direct.add(fh)
-        if content.stream is not None and self.engine.opened(content.stream, direct):
+        if content.stream is not None and self.engine.opened(content.stream, direct, process_of(ctx.pid)):
             await push_listing_pages(self.engine, inode, content)
         self._handles[fh] = content
         return pyfuse3.FileInfo(fh=fh, direct_io=node.render is not None, keep_cache=node.render is None)
@@ -197,3 +197,13 @@ class RankFS(pyfuse3.Operations):
         self._direct.discard(fh)
         if isinstance(content, Content) and content.stream is not None:
             self.engine.closed(content.stream, direct)
+
+
+def process_of(thread_id: int) -> int:
+    """The process of the thread a request came from (FUSE names the thread); the thread's own id
+    where /proc cannot say (one outside the daemon's pid namespace is 0)."""
+    try:
+        with open(f"/proc/{thread_id}/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("Tgid:"))
+    except (OSError, StopIteration, ValueError):
+        return thread_id
