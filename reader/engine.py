@@ -93,6 +93,7 @@ class ReadEngine:
         view = file.view
         if (reader != view.reader and view.active and not any(f.handles for f in view.files)
                 and not os.path.exists(f"/proc/{view.reader}")):
+            view.hooked = False  # its hook, if it has one, says so again
             self._start_over(view)
         view.reader = reader
         file.handles += 1

@@ -1,9 +1,13 @@
 """The daemon's holdings: a pushed chunk the loader has passed gives its budget back but keeps its
 edges (its first page, which was never pushed), within a cap, the oldest dropped first; freeing a
 chunk drops them. What was read ahead in a file gives its budget back once the loader that consumed
-the file closes it, read to its end or not."""
+the file closes it, read to its end or not. A new reader process starts the view over."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 from rankfs.plan.extents import Extent
 from rankfs.reader import holdings
@@ -82,3 +86,28 @@ def test_the_first_chunks_of_a_file_the_loader_has_not_begun_are_pushed():
     assert engine.push_range(first) is not None
     file.reading = True
     assert engine.push_range(first) is None
+
+
+def test_a_view_starts_over_for_a_new_reader_once_the_last_one_has_exited():
+    engine, file = engine_with_a_file()
+    view = file.view
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    exited, alive = int(gone.stdout), os.getpid()
+
+    def read_by(reader: int):
+        engine.opened(file, reader=reader)
+        view.active, view.hooked, view.reader_bytes = True, True, CHUNK_BYTES
+        if not engine.held.loaded:
+            pushed_chunk(engine.held, 0, file.chunks[0])  # something read ahead for it
+        engine.closed(file)
+
+    read_by(exited)
+    read_by(exited)  # the same process: the same reader
+    assert view.hooked and engine.held.loaded
+    engine.opened(file, reader=alive)  # a new reader, the last one gone
+    assert not view.hooked and view.reader_bytes == 0 and not engine.held.loaded
+    engine.closed(file)
+    read_by(alive)
+    engine.opened(file, reader=exited)  # the last reader still runs: it may read on
+    assert view.hooked and engine.held.loaded
