@@ -76,7 +76,7 @@ class ViewStream:
     planned_bytes: int = 0
     served_bytes: int = 0
     reader_bytes: int = 0  # of them, served since its current reader began (the last restart)
-    reader: int | None = None  # the process that opened a file of it last
+    reader: int | None = None  # the process reading it: the first to open a file since the last one exited
 
     @classmethod
     def of(cls, name: str, files_chunks: list[list[Chunk]]) -> "ViewStream":

@@ -110,4 +110,7 @@ def test_a_view_starts_over_for_a_new_reader_once_the_last_one_has_exited():
     engine.closed(file)
     read_by(alive)
     engine.opened(file, reader=exited)  # the last reader still runs: it may read on
+    assert view.hooked and engine.held.loaded and view.reader == alive
+    engine.closed(file)
+    read_by(alive)  # the reader again, after another process looked: no new reader
     assert view.hooked and engine.held.loaded
