@@ -288,8 +288,9 @@ class ReadEngine:
 
     def _note_reading(self, file: FileStream):
         """A loader reads a file: once its view has served its reader PREFETCH_AFTER_BYTES, prefetch
-        it (and the view's next files). Reads of a header and the kernel's readahead around it (an engine probing
-        a dtype) start nothing, nor does opening a file; nor reads of a view an engine hook loads."""
+        it (and the view's next files). Reads of a header and the kernel's readahead around it (an
+        engine probing a dtype) start nothing, nor does opening a file; nor reads of a view an
+        engine hook loads."""
         view = file.view
         file.reading = view.active = True
         if (not view.running and not view.hooked and view.reader_bytes >= PREFETCH_AFTER_BYTES
@@ -307,7 +308,8 @@ class ReadEngine:
         self._start_over(view)
 
     def _start_over(self, view: ViewStream):
-        """The view is read from its start again (`ViewStream.restart`); what was read ahead in it is freed."""
+        """The view is read from its start again (`ViewStream.restart`); what was read ahead in it
+        is freed."""
         view.restart()
         for chunk in [c for c in self.held.loaded.values() if c.file is not None and c.file.view is view]:
             self.held.free(chunk)
