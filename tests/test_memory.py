@@ -114,12 +114,7 @@ def test_a_view_read_again_reads_each_chunk_once_more(large_checkpoint, mount_di
     the view's pages evicted meanwhile) gets the same bytes, each chunk read once more: not once
     for each of its requests, as when a chunk's hand-outs counted from the first reader's (3-4x the
     view's bytes here)."""
-    with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
-        first = read(mount_dir / "target")
-        before = settled_status(mount_dir)
-        _evict_page_cache(mount_dir / "target")
-        assert read(mount_dir / "target") == first
-        after = settled_status(mount_dir)
+    before, after = _read_twice(large_checkpoint, mount_dir, read)
     assert _planned(before) <= before["read_bytes"] - before["evicted_reread_bytes"] < 1.02 * _planned(before)
     assert after["read_bytes"] - before["read_bytes"] < 1.1 * _planned(after)
     assert after["prefetch_loads"] == before["prefetch_loads"]  # the same process: the same reader, read on demand
@@ -129,15 +124,22 @@ def test_a_new_reader_process_is_read_ahead_again(large_checkpoint, mount_dir):
     """An engine restarted on the mount (its view's pages evicted meanwhile) is a process that opens
     the view after the one that read it has exited: the view is read ahead and pushed for it again,
     each chunk read once more."""
-    with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
-        first = _mapped_digests_in_a_process(mount_dir / "target")
-        before = settled_status(mount_dir)
-        _evict_page_cache(mount_dir / "target")
-        assert _mapped_digests_in_a_process(mount_dir / "target") == first
-        after = settled_status(mount_dir)
+    before, after = _read_twice(large_checkpoint, mount_dir, _mapped_digests_in_a_process)
     assert after["prefetch_loads"] - before["prefetch_loads"] > 0.9 * before["prefetch_loads"]
     assert after["pushed_bytes"] - before["pushed_bytes"] > 0
     assert after["read_bytes"] - before["read_bytes"] < 1.1 * _planned(after)
+
+
+def _read_twice(checkpoint, mount_dir, read) -> tuple[dict, dict]:
+    """A sliced rank's view read by `read`, then again once its pages are evicted (the same bytes):
+    the daemon's status after each."""
+    with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+        first = read(mount_dir / "target")
+        before = settled_status(mount_dir)
+        _evict_page_cache(mount_dir / "target")
+        assert read(mount_dir / "target") == first
+        after = settled_status(mount_dir)
+    return before, after
 
 
 def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):
