@@ -98,3 +98,15 @@ def test_the_hook_alone_hands_out_every_tensor_of_the_view_and_keeps_none(large_
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["bytes"] == handed > 0 and result["copying"] == 0 and "weights_sha256" not in result
     assert result["release"]["slabs"] > 0 and result["release"]["slabs_alive"] == 0
+
+
+@pytest.mark.mount
+def test_a_second_load_is_measured_on_the_mount_the_first_one_read(tiny_checkpoint, tmp_path):
+    """rankfs-again: the row's load is the second on its mount, by a new process, the same bytes;
+    the daemon's counters are the mount's, both loads': each chunk read once more."""
+    bench = Bench(tiny_checkpoint, tmp_path, "cpu", [], {"stock", "rankfs", "rankfs-again"}, lambda line: None,
+                  tmp_path / "rows.jsonl")
+    case = bench.case("ep1-sliced", ["warm"])
+    stock, first, again = case["rows"]
+    assert again["path"] == "rankfs, a second load (a new process)" and first["bitwise"] and again["bitwise"]
+    assert first["daemon"]["read_bytes"] < again["daemon"]["read_bytes"] < 2.2 * first["daemon"]["read_bytes"]

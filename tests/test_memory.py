@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import subprocess
 import sys
 
@@ -100,7 +99,7 @@ def test_pushed_pages_the_kernel_evicted_are_read_again_and_counted_apart(large_
     with mounted(large_checkpoint, mount_dir, *flags):
         first = mapped_digests(mount_dir / "target")
         before = settled_status(mount_dir)
-        _evict_page_cache(mount_dir / "target")
+        uncache((mount_dir / "target").glob("*.safetensors"))
         assert mapped_digests(mount_dir / "target") == first
         after = settled_status(mount_dir)
     assert before["pushed_bytes"] > 0
@@ -136,7 +135,7 @@ def _read_twice(checkpoint, mount_dir, read) -> tuple[dict, dict]:
     with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
         first = read(mount_dir / "target")
         before = settled_status(mount_dir)
-        _evict_page_cache(mount_dir / "target")
+        uncache((mount_dir / "target").glob("*.safetensors"))
         assert read(mount_dir / "target") == first
         after = settled_status(mount_dir)
     return before, after
@@ -151,13 +150,6 @@ def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):
         result = rankfs("drop", mount_dir)
         assert "dropped" in result.stdout
         assert sum(resident_pages(p) for p in files) == 0
-
-
-def _evict_page_cache(directory):
-    for shard in sorted(directory.glob("*.safetensors")):
-        fd = os.open(shard, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def _planned(status: dict) -> int:

@@ -16,6 +16,8 @@ threads into preallocated parameters on --device), fed by the path's source:
     engine ceiling   tensors staged in page-locked memory before the clock: the engine's own cost
     stock            safe_open (mmap) of the original shards
     rankfs           the same loader on the rank's view, through FUSE
+    rankfs-again     the same, a second load by a new process once the first has exited (an engine
+                     restarted on the mount), the view's page cache evicted in between
     view-preads      the limit's O_DIRECT preads over every byte of the view's shards: the daemon's
                      request rate, as readers of their own with O_DIRECT get it (runai-model-streamer)
     rankfs + hook    the same, under the hook (rankfs run): tensors read from the sources directly
@@ -48,7 +50,7 @@ from pathlib import Path
 from dev.bench import profile
 from dev.bench import trace as dev_trace
 from dev.fixtures import deepseek_v4
-from dev.memstate import cached_bytes, cpu_seconds, vm_hwm
+from dev.memstate import cached_bytes, cpu_seconds, uncache, vm_hwm
 from dev.session import ROOT, mounted
 import rankfs
 from rankfs import contract
@@ -63,7 +65,8 @@ CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), a
     "ep1-sliced": (4, 1, 1),
 }
 PEERS = ("instanttensor", "fastsafetensors", "runai")
-PATHS = ("limit", "ceiling", "stock", "rankfs", "view-preads", "hook", "hook-alone", "peers", "peers-on-view")
+PATHS = ("limit", "ceiling", "stock", "rankfs", "rankfs-again", "view-preads", "hook", "hook-alone", "peers",
+         "peers-on-view")
 # What each mount's daemon did for a row (a fresh mount per row): how the bytes reached the loader.
 DAEMON_COUNTERS = ("read_bytes", "pushed_bytes", "pushed_fill_bytes", "requests", "request_bytes", "fill_bytes",
                    "demand_loads", "prefetch_loads")
@@ -179,6 +182,9 @@ class Bench:
         trace = self.traces / f"{self.slug(label, mode, run)}.jsonl" if self.traces else None
         with self.mounted(view, trace) as mnt:
             run_args = args(mnt)
+            if run_args.pop("again", False):  # the measured load is the view's second reader
+                run_path(kind, run_args)
+                uncache(mnt.rglob("*.safetensors"))
             hook_trace = trace.with_suffix(".hook.jsonl") if trace and run_args.get("hook") else None
             if hook_trace:
                 run_args["hook_trace"] = str(hook_trace)
@@ -295,6 +301,9 @@ class Bench:
             row("stock (engine-like, mmap)", "load", self.load_args(self.checkpoint, spec))
         if "rankfs" in paths:
             row("rankfs", "load", lambda mnt: self.load_args(mnt / "target", spec), spec)
+        if "rankfs-again" in paths:
+            row("rankfs, a second load (a new process)", "load",
+                lambda mnt: self.load_args(mnt / "target", spec, again=True), spec)
         if "view-preads" in paths:
             row("rankfs: O_DIRECT preads of the view", "raw",
                 lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec)
