@@ -73,10 +73,12 @@ def cached_bytes(paths) -> int:
     return sum(resident_pages(p) for p in paths) * mmap.PAGESIZE
 
 
-def uncache(paths):
-    """Nothing of these files in the page cache (written back first: dirty pages stay cached)."""
+def uncache(paths, direct: bool = False):
+    """Nothing of these files in the page cache (written back first: dirty pages stay cached).
+    `direct`: each opened with O_DIRECT, which a rankfs view takes for a reader of its own that
+    reads past the page cache (a buffered open is a listing's: the daemon pushes its pages)."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)

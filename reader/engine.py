@@ -94,6 +94,8 @@ class ReadEngine:
         if reader != view.reader and not os.path.exists(f"/proc/{view.reader}"):
             if view.active and not any(f.handles for f in view.files):
                 view.hooked = False  # its hook, if it has one, says so again
+                for other in view.files:  # its listings are pushed again: their pages may be gone
+                    other.listed = False
                 self._start_over(view)
             view.reader = reader  # not while the last one runs: a look at a header is not a reader
         file.handles += 1

@@ -97,7 +97,7 @@ def test_a_view_starts_over_for_a_new_reader_once_the_last_one_has_exited():
 
     def read_by(reader: int):
         engine.opened(file, reader=reader)
-        view.active, view.hooked, view.reader_bytes = True, True, CHUNK_BYTES
+        view.active, view.hooked, view.reader_bytes, file.listed = True, True, CHUNK_BYTES, True
         if not engine.held.loaded:
             pushed_chunk(engine.held, 0, file.chunks[0])  # something read ahead for it
         engine.closed(file)
@@ -106,11 +106,11 @@ def test_a_view_starts_over_for_a_new_reader_once_the_last_one_has_exited():
     read_by(exited)  # the same process: the same reader
     assert view.hooked and engine.held.loaded
     engine.opened(file, reader=alive)  # a new reader, the last one gone
-    assert not view.hooked and view.reader_bytes == 0 and not engine.held.loaded
+    assert not view.hooked and view.reader_bytes == 0 and not engine.held.loaded and not file.listed
     engine.closed(file)
     read_by(alive)
     engine.opened(file, reader=exited)  # the last reader still runs: it may read on
-    assert view.hooked and engine.held.loaded and view.reader == alive
+    assert view.hooked and engine.held.loaded and file.listed and view.reader == alive
     engine.closed(file)
     read_by(alive)  # the reader again, after another process looked: no new reader
     assert view.hooked and engine.held.loaded

@@ -184,7 +184,7 @@ class Bench:
             run_args = args(mnt)
             if run_args.pop("again", False):  # the measured load is the view's second reader
                 run_path(kind, run_args)
-                uncache(mnt.rglob("*.safetensors"))
+                uncache(mnt.rglob("*.safetensors"), direct=True)
             hook_trace = trace.with_suffix(".hook.jsonl") if trace and run_args.get("hook") else None
             if hook_trace:
                 run_args["hook_trace"] = str(hook_trace)
