@@ -183,7 +183,9 @@ class Bench:
         with self.mounted(view, trace) as mnt:
             run_args = args(mnt)
             if run_args.pop("again", False):  # the measured load is the view's second reader
-                run_path(kind, run_args)
+                first = run_path(kind, run_args)
+                if "error" in first:
+                    self.log(f"  {label}: the first load failed: {first['error']}")
                 uncache(mnt.rglob("*.safetensors"), direct=True)
             hook_trace = trace.with_suffix(".hook.jsonl") if trace and run_args.get("hook") else None
             if hook_trace:
