@@ -91,11 +91,9 @@ class ReadEngine:
         next), and one still running may yet read on (another process looking at a header in
         between must not send the read-ahead back to the start)."""
         view = file.view
-        if reader != view.reader and not os.path.exists(f"/proc/{view.reader}"):
+        if reader != view.reader and (view.reader is None or not os.path.exists(f"/proc/{view.reader}")):
             if view.active and not any(f.handles for f in view.files):
-                view.hooked = False  # its hook, if it has one, says so again
-                for other in view.files:  # its listings are pushed again: their pages may be gone
-                    other.listed = False
+                view.new_reader()
                 self._start_over(view)
             view.reader = reader  # not while the last one runs: a look at a header is not a reader
         file.handles += 1

@@ -111,6 +111,15 @@ class ViewStream:
         """Whether every file was prefetched, or read, to its end."""
         return all(f.cursor >= len(f.chunks) for f in self.files)
 
+    def new_reader(self):
+        """Another process reads it now: not taken for the last one's hook (its own, if it has one,
+        says so again), and its listings are pushed again, their pages maybe gone (a drop, which
+        `restart` serves too, leaves them out: a look at the files after it must not refill the
+        page cache)."""
+        self.hooked = False
+        for file in self.files:
+            file.listed = False
+
     def restart(self):
         """A view read again after a drop, or by a new reader (another engine, a restart), is
         prefetched from its start, once that reader has read PREFETCH_AFTER_BYTES."""
