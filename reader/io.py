@@ -29,7 +29,7 @@ CACHED_SHORT_BYTES = 1 << 20  # cached pages mapped in with the GIL held: tens o
 _MAP_FAILED = ctypes.c_void_p(-1).value
 RESIDENT_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte, the rest reserved
 _SYS_CACHESTAT = 451  # Linux 6.5, the same number on x86_64 and aarch64
-_libc.syscall.restype = ctypes.c_long
+_libc.syscall.restype = _libc_holding_gil.syscall.restype = ctypes.c_long
 
 
 class _CachestatRange(ctypes.Structure):
@@ -44,17 +44,19 @@ class _Cachestat(ctypes.Structure):
 _cachestat_works = True  # until a kernel says it has no cachestat
 
 
-def page_cache_holds(fd: int, begin: int, end: int) -> bool | None:
+def page_cache_holds(fd: int, begin: int, end: int, holding_gil: bool = False) -> bool | None:
     """Whether the page cache holds every page of [begin, end) of a file (cachestat, the GIL let
-    go); None where the kernel cannot say (older than 6.5, or a file cachestat refuses)."""
+    go unless `holding_gil`: see `madvise`); None where the kernel cannot say (older than 6.5, or a
+    file cachestat refuses)."""
     global _cachestat_works
     if not _cachestat_works:
         return None
     begin, end = covering_pages(begin, end)
     stat = _Cachestat()
     # syscall(2) is variadic: every argument a full register's width.
-    if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(_CachestatRange(begin, end - begin)),
-                     ctypes.byref(stat), ctypes.c_long(0)) == 0:
+    libc = _libc_holding_gil if holding_gil else _libc
+    if libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(_CachestatRange(begin, end - begin)),
+                    ctypes.byref(stat), ctypes.c_long(0)) == 0:
         return stat.nr_cache == (end - begin) // PAGE
     _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
     return None

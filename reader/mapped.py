@@ -68,21 +68,22 @@ class MappedSources:
         lags behind the budget."""
         with self._lock:
             self._live[index].remove((begin, end))
-        self._unmap_around(index, begin, end)
+        self._unmap_around(index, begin, end, holding_gil=True)
 
-    def _unmap_around(self, index: int, begin: int, end: int):
+    def _unmap_around(self, index: int, begin: int, end: int, holding_gil: bool = False):
         """Unmap the largest-folio-aligned range around [begin, end), but for the pages of ranges
-        still viewed: those stay mapped, so that neither a fault nor an eviction slows their reply."""
+        still viewed: those stay mapped, so that neither a fault nor an eviction slows their reply.
+        `holding_gil` on the event loop's thread (see rankfs.reader.io.madvise)."""
         source = self._maps[index]
-        pieces = [(begin // LARGEST_FOLIO * LARGEST_FOLIO,
-                   min(len(source), -(-end // LARGEST_FOLIO) * LARGEST_FOLIO))]
+        around = (begin // LARGEST_FOLIO * LARGEST_FOLIO, min(len(source), -(-end // LARGEST_FOLIO) * LARGEST_FOLIO))
         with self._lock:
-            live = [covering_pages(b, e) for b, e in self._live[index]]
+            live = [covering_pages(b, e) for b, e in self._live[index] if b < around[1] and e > around[0]]
+        pieces = [around]
         for keep_start, keep_stop in live:  # what lies before and after each kept range
             pieces = [(s, t) for start, stop in pieces
                       for s, t in ((start, min(stop, keep_start)), (max(start, keep_stop), stop)) if t > s]
         for start, stop in pieces:
-            madvise(source.ctypes.data + start, stop - start, mmap.MADV_DONTNEED)
+            madvise(source.ctypes.data + start, stop - start, mmap.MADV_DONTNEED, holding_gil)
 
     def uncache_all(self, ranges: list[tuple[int, int, int]]):
         """(source, begin, end) ranges, unmapped, leave the page cache (slower: a worker thread)."""

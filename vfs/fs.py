@@ -4,7 +4,8 @@ asks the read engine for the bytes.
 Caveats:
 - Everything runs on pyfuse3's one trio thread; replies are copied there too. A reply made of one
   piece is the engine's memory itself, owned until the reply is written: pyfuse3 writes it right
-  after the handler returns, before the task yields, so the ownership ends in a callback run soon.
+  after the handler returns, before the task yields, so the ownership ends in a task that runs after
+  (`ReadEngine.replying`).
 - The mount is not `ro` (the control file takes commands), so every handler that would change the
   tree refuses with EROFS, as a read-only mount would.
 """
@@ -18,7 +19,6 @@ import time
 from typing import Awaitable, Callable
 
 import pyfuse3
-import trio
 
 from rankfs.reader.engine import BackingError, ReadEngine
 from rankfs.vfs.push import push_listing_pages
@@ -185,7 +185,7 @@ class RankFS(pyfuse3.Operations):
         self.engine.trace.request(content.path, off, end - off, time.monotonic() - began)
         if len(pieces) == 1:  # the reply may be the engine's memory: owned until it is written
             if owned:
-                trio.lowlevel.current_trio_token().run_sync_soon(self.engine.replied, owned)
+                self.engine.replying(owned)
             return pieces[0]
         reply = b"".join(pieces)
         self.engine.replied(owned)
