@@ -82,6 +82,7 @@ class Chunk:
         first request. Counted from the first copy, every request of a view read twice read the
         whole chunk again (3-8x the view's bytes in tests/test_memory.py)."""
         self.served = self.listed = self.listed_in_push = 0
+        self.pushed = False  # this copy is not
 
     @property
     def passed(self) -> bool:

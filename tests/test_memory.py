@@ -113,6 +113,26 @@ def test_source_pages_a_reply_was_made_of_leave_the_page_cache_once_it_is_writte
     assert dropped > 0.5 * status["read_bytes"], f"{dropped / MIB:.0f} MiB dropped of {status['read_bytes'] / MIB:.0f}"
 
 
+def test_a_view_of_cached_sources_reads_each_chunk_once(large_checkpoint, mount_dir):
+    """Sources in page cache (a warm restart, another rank's reads): the read-ahead pushes a file's
+    chunks before the loader opens it, and the listing pushed at that open hands some of their pages
+    again. Counted twice, a chunk was taken for handed whole before its last page (at the file's
+    end, left to a request) was: freed, it was read again for that page, 11 % of the plan here."""
+    sources = sorted(large_checkpoint.glob("*.safetensors"))
+    uncache(sources)  # written back: a dirty page would stay cached
+    try:
+        for source in sources:
+            source.read_bytes()
+        with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+            assert mapped_digests(mount_dir / "target")
+            status = settled_status(mount_dir)
+    finally:
+        uncache(sources)  # as the other tests of this checkpoint expect to find them
+    assert status["pushed_bytes"] > 0
+    assert status["reread_bytes"] == status["evicted_reread_bytes"]  # only pages the kernel evicted
+    assert status["read_bytes"] - status["evicted_reread_bytes"] == _planned(status)
+
+
 def test_pushed_pages_the_kernel_evicted_are_read_again_and_counted_apart(large_checkpoint, mount_dir):
     """A pushed chunk whose pages the kernel evicted before the reader came is read again when asked
     for, the same bytes, and counted apart from the daemon's own rereads: memory pressure (or these
