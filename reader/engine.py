@@ -364,7 +364,8 @@ class ReadEngine:
         """Read a chunk whose `loading` event is set, and wake whoever waits on it. A prefetched
         chunk is then offered for pushing."""
         drops = self.drops
-        buffer = None if self._reader.maps_chunk(chunk, on_event_loop=True) else self.held.pool.take(self.held.cost(chunk))
+        mapped = self._reader.maps_chunk(chunk, on_event_loop=True)
+        buffer = None if mapped else self.held.pool.take(self.held.cost(chunk))
         asked = time.monotonic()
         try:
             (buffer, chunk.buffer), began, ended = await trio.to_thread.run_sync(
