@@ -5,6 +5,7 @@ after `rankfs drop` the views hold no page cache."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import subprocess
 import sys
@@ -95,18 +96,12 @@ def test_source_pages_a_reply_was_made_of_leave_the_page_cache_once_it_is_writte
     """A reply from a chunk the page cache held is made of the source's mapped pages: they leave
     the daemon's map and the page cache once the reply is written (`ReadEngine.replying`), as they
     would had the daemon read them. O_DIRECT: every byte of the view a request's reply."""
-    sources = sorted(large_checkpoint.glob("*.safetensors"))
-    uncache(sources)  # written back: a dirty page would stay cached
-    try:
-        for source in sources:  # cached before the mount: the chunks are served from maps
-            source.read_bytes()
+    with _sources_cached(large_checkpoint) as sources:  # the chunks are served from maps
         cached_before = cached_bytes(sources)
         with mounted(large_checkpoint, mount_dir, "--tp-size", 2, "--tp-rank", 0, "--ep-size", 2):
             assert direct_digests(mount_dir / "target")
             status = settled_status(mount_dir)
             dropped = cached_before - cached_bytes(sources)
-    finally:
-        uncache(sources)  # as the other tests of this checkpoint expect to find them
     assert status["pushed_bytes"] == 0 and status["request_bytes"] > status["read_bytes"] > 0
     # Most of the pages the rank's chunks lie in (78-82 % measured here and at 8 GB; with the
     # replies' backings never let go, 2 %). Other ranks' bytes stay as they were.
@@ -118,16 +113,9 @@ def test_a_view_of_cached_sources_reads_each_chunk_once(large_checkpoint, mount_
     chunks before the loader opens it, and the listing pushed at that open hands some of their pages
     again. Counted twice, a chunk was taken for handed whole before its last page (at the file's
     end, left to a request) was: freed, it was read again for that page, 11 % of the plan here."""
-    sources = sorted(large_checkpoint.glob("*.safetensors"))
-    uncache(sources)  # written back: a dirty page would stay cached
-    try:
-        for source in sources:
-            source.read_bytes()
-        with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
-            assert mapped_digests(mount_dir / "target")
-            status = settled_status(mount_dir)
-    finally:
-        uncache(sources)  # as the other tests of this checkpoint expect to find them
+    with _sources_cached(large_checkpoint), mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+        assert mapped_digests(mount_dir / "target")
+        status = settled_status(mount_dir)
     assert status["pushed_bytes"] > 0
     assert status["reread_bytes"] == status["evicted_reread_bytes"]  # only pages the kernel evicted
     assert status["read_bytes"] - status["evicted_reread_bytes"] == _planned(status)
@@ -192,6 +180,20 @@ def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):
         result = rankfs("drop", mount_dir)
         assert "dropped" in result.stdout
         assert sum(resident_pages(p) for p in files) == 0
+
+
+@contextlib.contextmanager
+def _sources_cached(checkpoint):
+    """The checkpoint's sources in the page cache for the block (written back first: a dirty page
+    would stay cached), and out of it after, as the other tests of this checkpoint expect."""
+    sources = sorted(checkpoint.glob("*.safetensors"))
+    uncache(sources)
+    try:
+        for source in sources:
+            source.read_bytes()
+        yield sources
+    finally:
+        uncache(sources)
 
 
 def _planned(status: dict) -> int:
