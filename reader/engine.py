@@ -369,7 +369,7 @@ class ReadEngine:
         asked = time.monotonic()
         try:
             (buffer, chunk.buffer), began, ended = await trio.to_thread.run_sync(
-                timed, self._read_chunk, chunk, buffer,
+                timed, self._read_chunk, chunk, buffer, mapped,
                 limiter=self._ahead_threads if prefetched else self._waited_threads)
             chunk.backing = self.held.backing(chunk, buffer)
             chunk.error = None
@@ -401,14 +401,15 @@ class ReadEngine:
             self.stats.reread_bytes += chunk.length if chunk.reads else 0
         chunk.reads += 1
 
-    def _read_chunk(self, chunk: Chunk, buffer):
-        """Runs in a worker thread: the chunk's range of its source's map, resident, where it may be
-        mapped now and `_load` gave it no buffer (it found it cached, or the pool had none idle); or
-        a read into a pool buffer. Returns (the buffer, or None for a map range; the chunk's bytes)."""
-        if buffer is None and self._reader.maps_chunk(chunk):
-            mapped = self._reader.mapped_range(chunk.source, chunk.source_offset, chunk.source_offset + chunk.length)
-            if mapped is not None:
-                return None, memoryview(mapped)
+    def _read_chunk(self, chunk: Chunk, buffer, mapped: bool):
+        """Runs in a worker thread: the chunk's range of its source's map, resident, where `_load`
+        found it may be mapped (`maps_chunk`, asked once); or a read into a pool buffer (a new one
+        where the pool had none idle). Returns (the buffer, or None for a map range; the chunk's
+        bytes)."""
+        if mapped:
+            view = self._reader.mapped_range(chunk.source, chunk.source_offset, chunk.source_offset + chunk.length)
+            if view is not None:
+                return None, memoryview(view)
         if buffer is None:
             begin, end = chunk.read_span()
             buffer = self.held.pool.new(end - begin)

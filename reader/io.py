@@ -44,6 +44,11 @@ class _Cachestat(ctypes.Structure):
 _cachestat_works = True  # until a kernel says it has no cachestat
 
 
+def _libc_for(holding_gil: bool) -> ctypes.CDLL:
+    """libc through a handle that keeps the GIL for the call, or one that lets it go."""
+    return _libc_holding_gil if holding_gil else _libc
+
+
 def page_cache_holds(fd: int, begin: int, end: int, holding_gil: bool = False) -> bool | None:
     """Whether the page cache holds every page of [begin, end) of a file (cachestat, the GIL let
     go unless `holding_gil`: see `madvise`); None where the kernel cannot say (older than 6.5, or a
@@ -54,9 +59,9 @@ def page_cache_holds(fd: int, begin: int, end: int, holding_gil: bool = False) -
     begin, end = covering_pages(begin, end)
     stat = _Cachestat()
     # syscall(2) is variadic: every argument a full register's width.
-    libc = _libc_holding_gil if holding_gil else _libc
-    if libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(_CachestatRange(begin, end - begin)),
-                    ctypes.byref(stat), ctypes.c_long(0)) == 0:
+    asked = _CachestatRange(begin, end - begin)
+    if _libc_for(holding_gil).syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(asked),
+                                      ctypes.byref(stat), ctypes.c_long(0)) == 0:
         return stat.nr_cache == (end - begin) // PAGE
     _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
     return None
@@ -71,7 +76,7 @@ def madvise(address: int, length: int, advice: int, holding_gil: bool = False):
     """madvise(2) through ctypes, which lets the GIL go for the call (Python's mmap.madvise holds
     it, and has no MADV_POPULATE_READ) unless `holding_gil`: for calls shorter than the wait to
     take the GIL back behind the loader's threads."""
-    if (_libc_holding_gil if holding_gil else _libc).madvise(address, length, advice) != 0:
+    if _libc_for(holding_gil).madvise(address, length, advice) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
