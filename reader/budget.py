@@ -46,6 +46,6 @@ class Stats:
     listing_pages_refused: int = 0  # of those left, the ones the kernel would not store
     remnant_bytes: int = 0  # read again for what the loader had not read of a chunk let go
     reread_bytes: int = 0  # whole chunks read again: the kernel asked for them after they were let go
-    evicted_reread_bytes: int = 0  # of them, chunks the kernel asked for pages it had been pushed: it evicted them
+    evicted_reread_bytes: int = 0  # of them, chunks the kernel asked again for pages it had been handed: it evicted them
     uncache_pending_bytes: int = 0  # served source pages not yet dropped from the page cache
     errors: int = 0

@@ -76,6 +76,13 @@ class Chunk:
             return memoryview(self.tail)[lo - tail_start:hi - tail_start]
         return None
 
+    def had_handed(self, lo: int, hi: int) -> bool:
+        """Bytes [lo, hi) were handed to the kernel before: it was handed whole (pushed, listed,
+        read), or they lie in its pushed pages. A page-cache read asking for them again means the
+        kernel evicted them."""
+        push_start, push_end = self.push_range()
+        return self.served >= self.length or (self.pushed and lo < push_end and hi > push_start)
+
     def handed_anew(self):
         """It is read again for bytes the kernel was handed and lacks now (a second reader of the
         view, or pushed pages evicted): this copy is freed once it has been handed whole, not at its

@@ -129,9 +129,10 @@ class ReadEngine:
 
     # -- serving --------------------------------------------------------------------------------
 
-    async def read(self, chunk: Chunk, lo: int, hi: int) -> tuple[memoryview, Backing | None]:
+    async def read(self, chunk: Chunk, lo: int, hi: int, direct: bool = False) -> tuple[memoryview, Backing | None]:
         """Bytes [lo, hi) (file offsets) of the chunk, from memory, from a read in flight, or read
-        now; and the backing they lie in, owned by the caller until `replied`."""
+        now; and the backing they lie in, owned by the caller until `replied`. `direct`: the
+        request bypasses the page cache (an O_DIRECT handle's), so asks whatever was handed."""
         file = chunk.file
         if file is not None:
             self._note_reading(file)
@@ -147,9 +148,8 @@ class ReadEngine:
                     return remnant
             if chunk.loading is None:
                 self.stats.demand_loads += 1
-                push_start, push_end = chunk.push_range()
-                if chunk.pushed and lo < push_end and hi > push_start:  # the kernel asks only for pages it lacks
-                    self.stats.evicted_reread_bytes += chunk.length
+                if chunk.reads and not chunk.on_demand and not direct and chunk.had_handed(lo, hi):
+                    self.stats.evicted_reread_bytes += chunk.length  # the kernel asks only for pages it lacks
                 self.held.free(chunk)  # pushed, and its pages since evicted: read it anew
                 if chunk.pushed or chunk.served >= chunk.length:
                     chunk.handed_anew()

@@ -151,6 +151,7 @@ class RankFS(pyfuse3.Operations):
     async def read(self, fh, off, size):
         began = time.monotonic()
         content = self._handles[fh]
+        direct = fh in self._direct
         end = min(off + size, content.size)
         pieces, owned = [], []
         try:
@@ -169,7 +170,7 @@ class RankFS(pyfuse3.Operations):
                 else:
                     for chunk in content.runs[extent.offset].overlapping(lo, hi):
                         a, b = max(lo, chunk.start), min(hi, chunk.end)
-                        piece, backing = await self.engine.read(chunk, a, b)
+                        piece, backing = await self.engine.read(chunk, a, b, direct)
                         pieces.append(piece)
                         if backing is not None:
                             owned.append(backing)
