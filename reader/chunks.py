@@ -27,7 +27,7 @@ class Chunk:
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "served", "requested",
                  "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed",
-                 "listed_in_push", "signal", "pushed")
+                 "handed", "signal", "pushed")
 
     def __init__(self, extent: Extent, start: int, length: int):
         self.start = start  # offset in the virtual file
@@ -43,7 +43,7 @@ class Chunk:
         self.buffer: memoryview | None = None  # its bytes, while loaded
         self.backing: Backing | None = None  # the memory `buffer` lies in
         self.loading: trio.Event | None = None
-        self.served = 0  # bytes handed to the kernel
+        self.served = 0  # bytes handed to the kernel: `handed`'s
         self.requested = False  # a loader has read some of it (not only pushes)
         self.prefetched = -1  # the prefetch pass that last read it
         self.reads = 0  # times read from its source
@@ -53,8 +53,8 @@ class Chunk:
         self.file_id = 0  # the virtual file it belongs to (the serving layer's inode)
         self.head = b""  # once pushed: the bytes before the pushed pages, and after them
         self.tail = b""
-        self.listed = 0  # bytes handed with a listing's pages (`served` counts them)
-        self.listed_in_push = 0  # of them, within its push range (a push of it then hands the rest)
+        self.listed = 0  # of them, handed first with a listing's pages
+        self.handed: list[tuple[int, int]] = []  # the ranges handed (file offsets), disjoint, in order
         self.signal = not self.fill  # a push leaves its first page out (`push_range`); see SIGNAL_EVERY_CHUNKS
         self.pushed = False  # its pages were pushed into the view's page cache
 
@@ -76,19 +76,34 @@ class Chunk:
             return memoryview(self.tail)[lo - tail_start:hi - tail_start]
         return None
 
+    def hand(self, lo: int, hi: int) -> int:
+        """Bytes [lo, hi) were handed to the kernel (a reply, a push, a listing's page): how many of
+        them had not been. Counted as bytes alone, a listing's pages of a chunk pushed already were
+        counted twice, and the chunk taken for handed whole before its last page was (09d98b9)."""
+        new, kept, start, end = hi - lo, [], lo, hi
+        for a, b in self.handed:
+            if b < lo or a > hi:
+                kept.append((a, b))
+            else:  # overlapping or touching: merged into one
+                new -= max(0, min(b, hi) - max(a, lo))
+                start, end = min(start, a), max(end, b)
+        bisect.insort(kept, (start, end))
+        self.handed = kept
+        self.served += new
+        return new
+
     def had_handed(self, lo: int, hi: int) -> bool:
-        """Bytes [lo, hi) were handed to the kernel before: it was handed whole (pushed, listed,
-        read), or they lie in its pushed pages. A page-cache read asking for them again means the
-        kernel evicted them."""
-        push_start, push_end = self.push_range()
-        return self.served >= self.length or (self.pushed and lo < push_end and hi > push_start)
+        """Some of bytes [lo, hi) were handed to the kernel: a page-cache read asking for them
+        again means the kernel evicted them."""
+        return any(a < hi and lo < b for a, b in self.handed)
 
     def handed_anew(self):
         """It is read again for bytes the kernel was handed and lacks now (a second reader of the
         view, or pushed pages evicted): this copy is freed once it has been handed whole, not at its
         first request. Counted from the first copy, every request of a view read twice read the
         whole chunk again (3-8x the view's bytes in tests/test_memory.py)."""
-        self.served = self.listed = self.listed_in_push = 0
+        self.served = self.listed = 0
+        self.handed = []
         self.pushed = False  # this copy is not
 
     @property

@@ -148,10 +148,13 @@ class ReadEngine:
                     return remnant
             if chunk.loading is None:
                 self.stats.demand_loads += 1
-                if chunk.reads and not chunk.on_demand and not direct and chunk.had_handed(lo, hi):
-                    self.stats.evicted_reread_bytes += chunk.length  # the kernel asks only for pages it lacks
-                self.held.free(chunk)  # pushed, and its pages since evicted: read it anew
-                if chunk.pushed or chunk.served >= chunk.length:
+                # Asked for bytes it handed: the kernel evicted them (a page-cache read asks only for
+                # pages it lacks), or a reader past the page cache reads them again.
+                asked_again = chunk.had_handed(lo, hi)
+                if asked_again and chunk.reads and not chunk.on_demand and not direct:
+                    self.stats.evicted_reread_bytes += chunk.length
+                self.held.free(chunk)
+                if asked_again:
                     chunk.handed_anew()
                 self.held.make_room(chunk)
                 chunk.loading = trio.Event()
@@ -199,42 +202,37 @@ class ReadEngine:
         self.stats.read_bytes[chunk.source] += hi - lo
         return memoryview(mapped), self.held.map_range(chunk.source, begin, begin + hi - lo)
 
-    def served(self, chunk: Chunk, nbytes: int):
-        """Account bytes a loader's read was answered with."""
+    def served(self, chunk: Chunk, lo: int, hi: int):
+        """Account bytes [lo, hi) of the chunk that a loader's read was answered with."""
         if not chunk.requested:
             self.trace.chunk("first", chunk)
         chunk.requested = True
         if chunk.file is not None:
-            chunk.file.served += nbytes
+            chunk.file.served += hi - lo
             chunk.file.reached = max(chunk.file.reached, chunk.stream_pos)
             if chunk.file.advance():
                 self._release_passed(chunk.file)
-        self._handed(chunk, nbytes)
+        self._handed(chunk, lo, hi)
 
-    def _handed(self, chunk: Chunk, nbytes: int, free: bool = True):
-        """Account bytes handed to the kernel (read or pushed); a chunk handed whole is freed, unless
-        told not to be."""
-        chunk.served += nbytes
+    def _handed(self, chunk: Chunk, lo: int, hi: int, free: bool = True) -> int:
+        """Account bytes [lo, hi) of the chunk handed to the kernel (read, pushed or listed); a
+        chunk handed whole is freed, unless told not to be. Returns how many were not handed before."""
+        new = chunk.hand(lo, hi)
         if chunk.file is not None:
-            chunk.file.view.served_bytes += nbytes
-            chunk.file.view.reader_bytes += nbytes
+            chunk.file.view.served_bytes += new
+            chunk.file.view.reader_bytes += new
         if free and chunk.served >= chunk.length:
             self.held.free(chunk)
+        return new
 
     # -- pushing into the kernel's page cache ---------------------------------------------------
 
     def listed(self, pieces: list[tuple[Chunk, int, int]]):
-        """(chunk, bytes, of them within its push range) pushed with a listing's pages: handed to the
-        kernel; a push of the chunk then hands only the rest of its range, and one pushed already
-        handed it. Counted twice, a file opened after the read-ahead had pushed its chunks (sources
-        in page cache) had a chunk handed "whole" before its last page at the file's end was: freed
-        with its edges, it was read again for that page (11 % over the plan in tests/test_memory.py)."""
-        for chunk, nbytes, in_push_range in pieces:
-            chunk.listed += nbytes
-            chunk.listed_in_push += in_push_range
+        """(chunk, lo, hi): bytes of chunks pushed with a listing's pages, handed to the kernel."""
+        for chunk, lo, hi in pieces:
+            chunk.listed += self._handed(chunk, lo, hi)
             if chunk.listed >= chunk.length and not chunk.reads:  # read whole, here: no chunk read follows
                 self._count_read(chunk)
-            self._handed(chunk, nbytes - in_push_range if chunk.pushed else nbytes)
 
     def enable_push(self):
         """Offer prefetched chunks on `pushable` from now on."""
@@ -282,7 +280,7 @@ class ReadEngine:
         self.stats.pushed_bytes += end - start
         chunk.pushed = True
         # A chunk with no signal page is never asked for: it counts until the loader asks for a later one.
-        self._handed(chunk, end - start - chunk.listed_in_push, free=chunk.signal)
+        self._handed(chunk, start, end, free=chunk.signal)
 
     def _release_passed(self, file: FileStream):
         # Pushed chunks the loader is past, so no longer budgeted: behind its frontier and a chunk it

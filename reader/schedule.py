@@ -127,5 +127,5 @@ class ViewStream:
         for file in self.files:
             file.cursor, file.frontier, file.reading, file.served, file.reached = 0, 0, False, 0, 0
             for chunk in file.chunks:
-                chunk.served, chunk.requested, chunk.listed, chunk.listed_in_push = 0, False, 0, 0
-                chunk.pushed = False
+                chunk.handed_anew()
+                chunk.requested = False

@@ -25,8 +25,23 @@ def pushed_chunk(held: Holdings, index: int, chunk: Chunk | None = None) -> Chun
     held.budget.reserve(held.cost(chunk))
     held.add(chunk)
     held.pushed[id(chunk)] = chunk
-    chunk.head, chunk.served = bytes([index]) * PAGE, CHUNK_BYTES - PAGE
+    chunk.head = bytes([index]) * PAGE
+    chunk.hand(chunk.start + PAGE, chunk.end)
     return chunk
+
+
+def test_a_chunk_counts_each_byte_it_handed_once():
+    """A push, a listing's pages and replies may hand the same bytes: each counts once, and a chunk
+    is handed whole once every byte of it was (a listing's pages of a pushed chunk, counted again,
+    had one freed a page early and read again for it: 09d98b9)."""
+    chunk = Chunk(Extent(0, CHUNK_BYTES, "data", source=0), 0, CHUNK_BYTES)
+    assert chunk.hand(PAGE, CHUNK_BYTES - PAGE) == CHUNK_BYTES - 2 * PAGE  # pushed
+    assert chunk.hand(0, 2 * PAGE) == PAGE  # a listing's pages: the first, and one pushed
+    assert chunk.served == CHUNK_BYTES - PAGE and not chunk.had_handed(CHUNK_BYTES - PAGE, CHUNK_BYTES)
+    assert chunk.hand(CHUNK_BYTES - 2 * PAGE, CHUNK_BYTES) == PAGE  # a reply
+    assert chunk.served == CHUNK_BYTES and chunk.handed == [(0, CHUNK_BYTES)]
+    chunk.handed_anew()
+    assert chunk.served == 0 and not chunk.had_handed(0, CHUNK_BYTES)
 
 
 def test_passed_chunks_keep_their_first_page_within_the_cap(monkeypatch):

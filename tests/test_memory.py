@@ -119,8 +119,8 @@ def test_a_view_of_cached_sources_reads_each_chunk_once(large_checkpoint, mount_
         assert mapped_digests(mount_dir / "target")
         status = settled_status(mount_dir)
     assert status["pushed_bytes"] > 0
-    # Read again only where the kernel evicted pushed pages (these VMs' DAMON): chunks, or the
-    # remnant pages of one the loader had passed.
+    # Read again only where the kernel evicted pages it was handed (these VMs' DAMON): chunks, or
+    # the remnant pages of one the loader had passed.
     assert status["reread_bytes"] == status["evicted_reread_bytes"]
     assert status["read_bytes"] - status["evicted_reread_bytes"] - status["remnant_bytes"] == _planned(status)
 
@@ -129,8 +129,8 @@ def test_every_chunk_read_again_while_the_kernel_evicts_the_view_is_counted_as_e
     """The kernel evicts what it was handed, pushed, listed or read, as the loader goes (here a
     thread drops the view's page cache every 10 ms; these VMs' DAMON does it unasked): each chunk
     read again for that is counted as evicted, the daemon's own rereads stay at none. Counted only
-    where a push had stored the pages, one 64 KiB chunk a listing and a request had handed whole
-    (evicted on a CI run) read as the daemon's."""
+    where a push had stored the pages, a 64 KiB chunk a listing and a reply had handed whole, its
+    pages evicted on a CI run, was read again as the daemon's own (208 of 435-536 MB counted here)."""
     stop = threading.Event()
 
     def evict(views):

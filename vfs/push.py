@@ -150,7 +150,7 @@ def _store_listing(engine: ReadEngine, inode: int,
 def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunks: list) -> bytes | None:
     """The file's bytes on one page (up to its end), or None where a source's page cache does not
     hold them (or the page is not served: the local ranks' shared view). Its pieces of chunks are
-    added to `pieces_of_chunks`: (chunk, bytes, of them within the chunk's push range)."""
+    added to `pieces_of_chunks`: (chunk, lo, hi)."""
     end = min(page + PAGE, content.size)
     pieces = []
     for extent in content.extents_at(page, end):
@@ -168,9 +168,7 @@ def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunk
                 return None
             pieces.append(piece)
             for chunk in content.runs[extent.offset].overlapping(lo, hi):
-                a, b = max(lo, chunk.start), min(hi, chunk.end)
-                push_start, push_end = chunk.push_range()
-                pieces_of_chunks.append((chunk, b - a, max(0, min(b, push_end) - max(a, push_start))))
+                pieces_of_chunks.append((chunk, max(lo, chunk.start), min(hi, chunk.end)))
         else:
             return None
     return b"".join(pieces)
