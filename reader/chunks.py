@@ -43,7 +43,7 @@ class Chunk:
         self.buffer: memoryview | None = None  # its bytes, while loaded
         self.backing: Backing | None = None  # the memory `buffer` lies in
         self.loading: trio.Event | None = None
-        self.served = 0  # bytes handed to the kernel: `handed`'s
+        self.served = 0  # bytes handed to the kernel: those of `handed`
         self.requested = False  # a loader has read some of it (not only pushes)
         self.prefetched = -1  # the prefetch pass that last read it
         self.reads = 0  # times read from its source
@@ -78,8 +78,8 @@ class Chunk:
 
     def hand(self, lo: int, hi: int) -> int:
         """Bytes [lo, hi) were handed to the kernel (a reply, a push, a listing's page): how many of
-        them had not been. Counted as bytes alone, a listing's pages of a chunk pushed already were
-        counted twice, and the chunk taken for handed whole before its last page was (09d98b9)."""
+        them had not been. Ranges, not a count: counted, a listing's pages of a chunk pushed already
+        were counted twice, and the chunk was freed before its last page was handed."""
         new, kept, start, end = hi - lo, [], lo, hi
         for a, b in self.handed:
             if b < lo or a > hi:
