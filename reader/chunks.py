@@ -25,7 +25,7 @@ class Chunk:
     (only pushed)."""
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
-                 "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "served", "requested",
+                 "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "requested",
                  "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed",
                  "handed", "signal", "pushed")
 
@@ -43,7 +43,6 @@ class Chunk:
         self.buffer: memoryview | None = None  # its bytes, while loaded
         self.backing: Backing | None = None  # the memory `buffer` lies in
         self.loading: trio.Event | None = None
-        self.served = 0  # bytes handed to the kernel: those of `handed`
         self.requested = False  # a loader has read some of it (not only pushes)
         self.prefetched = -1  # the prefetch pass that last read it
         self.reads = 0  # times read from its source
@@ -89,8 +88,12 @@ class Chunk:
                 start, end = min(start, a), max(end, b)
         bisect.insort(kept, (start, end))
         self.handed = kept
-        self.served += new
         return new
+
+    @property
+    def served(self) -> int:
+        """The bytes handed to the kernel."""
+        return sum(b - a for a, b in self.handed)
 
     def had_handed(self, lo: int, hi: int) -> bool:
         """Some of bytes [lo, hi) were handed to the kernel: a page-cache read asking for them
@@ -102,7 +105,7 @@ class Chunk:
         view, or pushed pages evicted): this copy is freed once it has been handed whole, not at its
         first request. Counted from the first copy, every request of a view read twice read the
         whole chunk again (3-8x the view's bytes in tests/test_memory.py)."""
-        self.served = self.listed = 0
+        self.listed = 0
         self.handed = []
         self.pushed = False  # this copy is not
 
