@@ -45,7 +45,7 @@ def demo(argv: list[str]) -> int:
 
 
 def bench(argv: list[str]) -> int:
-    from dev.bench.run import main
+    from dev.bench.bench import main
     return main(argv)
 
 
@@ -55,7 +55,7 @@ def gpu_load(argv: list[str]) -> int:
 
 
 def startup_cost(argv: list[str]) -> int:
-    from dev.bench.startup import main
+    from dev.bench.startup_cost import main
     return main(argv)
 
 

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from dev.fixtures import deepseek_v4
-from dev.session import rankfs
-from rankfs import contract
+from dev.mounting import rankfs
+from rankfs.common import contract
 
 FLAGS = ["--tp-size", "4", "--tp-rank", "1", "--ep-size", "1"]
 

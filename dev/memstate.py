@@ -8,7 +8,7 @@ import ctypes
 import mmap
 import os
 
-from rankfs.reader.io import RESIDENT_BIT
+from rankfs.common.disk import RESIDENT_BIT
 
 MIB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""What the hook asks of a mount's daemon, through the mount itself (rankfs.contract): where the
+"""What the hook asks of a mount's daemon, through the mount itself (rankfs.common.contract): where the
 mount's root and this rank's view lie, where a view file's tensors lie in the source shards, telling
 it how much of a view was loaded straight from them, and asking it to drop what it holds after a
 load. Standard library only."""
@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Callable
 
-from rankfs import contract
-from rankfs.reader.io import OpenFile, willneed_reach
+from rankfs.common import contract
+from rankfs.common.disk import OpenFile, willneed_reach
 
 log = logging.getLogger("rankfs.hook")
 

@@ -33,11 +33,11 @@ import torch
 
 from rankfs.loader.slabs import HostBuffer, Slab, SlabPool
 from rankfs.plan.spec import Rows
-from rankfs.reader.io import PAGE, align_down, align_up
+from rankfs.common.disk import PAGE, align_down, align_up
 
 log = logging.getLogger("rankfs.hook")
 
-PIECE_BYTES = 16 << 20  # a bounce buffer: a run of a slab (rankfs.loader.layout.RUN_BYTES), or rows of many slices
+PIECE_BYTES = 16 << 20  # a bounce buffer: a run of a slab (rankfs.loader.packing.RUN_BYTES), or rows of many slices
 
 
 def alias(memory: torch.Tensor, nbytes: int, died: Callable[[], None]) -> torch.Tensor:
@@ -245,7 +245,7 @@ class Bounce:
         """Where bytes bound for target[at:at + nbytes] are written: (buffer, position), the
         position congruent to `at` modulo PAGE, with room for the whole pages around them (a
         direct read fills those). They join the bytes placed last where nothing else of the slab
-        lies between: a slab gives every read its own pages (rankfs.loader.layout)."""
+        lies between: a slab gives every read its own pages (rankfs.loader.packing)."""
         last = self._pending[-1] if self._pending and self._target is target else None
         if last is not None and last.height == 1 and last.end <= at and align_down(at) <= align_up(last.end):
             position = last.position + at - last.at

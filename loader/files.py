@@ -16,11 +16,11 @@ import struct
 
 import torch
 
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.loader.guard import SlicedTensor
 from rankfs.plan.safetensors import read_header
 from rankfs.plan.spec import Rows, Slice
-from rankfs.reader.io import PAGE, OpenFile
+from rankfs.common.disk import PAGE, OpenFile
 
 READ_AROUND = 16 << 20  # how far the kernel may read around a mapped read: the largest read_ahead_kb met
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.loader import memory, routing
 from rankfs.loader.budget import Budget
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
@@ -27,8 +27,8 @@ from rankfs.loader.ordered import OrderedExecutor
 from rankfs.loader.settings import HookSettings, rank_override
 from rankfs.loader.slabs import SlabPool
 from rankfs.loader.staged import StagedFile
-from rankfs.reader.io import PAGE, align_down
-from rankfs.reader.trace import Trace
+from rankfs.common.disk import PAGE, align_down
+from rankfs.common.trace import Trace
 
 log = logging.getLogger("rankfs.hook")
 

@@ -16,9 +16,9 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from rankfs.loader.landing import DeviceLanding, HostLanding, Spot
-from rankfs.loader.layout import RUN_BYTES, Run
+from rankfs.loader.packing import RUN_BYTES, Run
 from rankfs.plan.spec import Rows
-from rankfs.reader.io import PAGE, OpenFile, align_up, anonymous_map
+from rankfs.common.disk import PAGE, OpenFile, align_up, anonymous_map
 
 ROWS_BYTES = 8 << 20  # whole rows of a slice read at once
 SMALL_READ_BYTES = 4 << 20  # a group's reads under this on average are CPU work when cached

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rankfs.loader.files import RankfsFile
-from rankfs.reader.io import inner_pages, madvise, merge_adjacent, willneed_pieces
+from rankfs.common.disk import inner_pages, madvise, merge_adjacent, willneed_pieces
 
 log = logging.getLogger("rankfs.hook")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from rankfs.contract import GIB
+from rankfs.common.contract import GIB
 
 MEMINFO_FIELDS = ("MemTotal", "MemFree", "MemAvailable", "Buffers", "Cached", "Mapped", "AnonPages",
                   "Shmem", "Slab", "KernelStack", "PageTables", "SecPageTables", "Unevictable")

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.loader.settings import HookSettings
 
 _lock = threading.RLock()

@@ -23,7 +23,7 @@
                                                    as their own
     RANKFS_HOOK_TRACE       (off)                  write the hook's read events to this file, a JSON
                                                    line each ({pid} is replaced by the process id);
-                                                   read by `python3 -m dev.bench.trace`
+                                                   read by `python3 -m dev.bench.trace_summary`
     RANKFS_RANK             (torch.distributed)    this process's rank, for a mount of several
                                                    local ranks
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-from rankfs.contract import GIB
+from rankfs.common.contract import GIB
 
 MODES = ("on", "observe", "off")
 MAP_MODES = ("auto", "on", "off")

@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from rankfs.loader.budget import Budget
-from rankfs.reader.io import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, OpenFile, anonymous_map, madvise,
+from rankfs.common.disk import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, OpenFile, anonymous_map, madvise,
                               map_pages, unmap_pages)
 
 log = logging.getLogger("rankfs.hook")
@@ -53,7 +53,7 @@ def host_view(memory: memoryview, died: Callable[[], None]) -> torch.Tensor:
 
 
 class HostBuffer:
-    """Anonymous memory in huge pages (rankfs.reader.io.anonymous_map), page-locked for DMA once
+    """Anonymous memory in huge pages (rankfs.common.disk.anonymous_map), page-locked for DMA once
     filled (`pin`): registering it empty would fault it in on one thread."""
 
     reusable = True

@@ -26,7 +26,7 @@ would free room): the memory handed out stays within the budget plus a slab, plu
 is larger than the budget.
 
 Here: a file's groups planned, admitted and handed out. A group's slab laid out:
-rankfs.loader.layout; its reads and copies as the read threads' jobs: rankfs.loader.jobs; where
+rankfs.loader.packing; its reads and copies as the read threads' jobs: rankfs.loader.jobs; where
 they land: rankfs.loader.landing."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from rankfs.loader.files import RankfsFile
 from rankfs.loader.jobs import Copy, all_cached, batches, cached_jobs, cpu_work, read_rows, read_run
 from rankfs.loader.landing import DeviceLanding, HostLanding
-from rankfs.loader.layout import Span, Staging, join_touching, lay_out
+from rankfs.loader.packing import Span, Staging, join_touching, lay_out
 from rankfs.loader.slabs import Slab
 
 WINDOW_SHARE = 32  # a window holds a 32nd of a slab at least: 8 MiB of the default 256

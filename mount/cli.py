@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
-from rankfs.contract import GIB
-from rankfs.mount.errors import EXIT_OK, EXIT_SYSTEM, EXIT_USAGE, UsageError, fail, warn
+from rankfs.common.contract import GIB
+from rankfs.mount.exits import EXIT_OK, EXIT_SYSTEM, EXIT_USAGE, UsageError, fail, warn
 
 EPILOG = """exit codes (those of mount(8)):
   0    success
@@ -127,7 +127,7 @@ def parser():
     g.add_argument("--trace", metavar="FILE",
                    help="write the read engine's events to FILE, a JSON line each: every chunk queued "
                         "for read-ahead, read, pushed and first asked for, every request and the seconds "
-                        "its answer took (default: none; for diagnosis: python3 -m dev.bench.trace)")
+                        "its answer took (default: none; for diagnosis: python3 -m dev.bench.trace_summary)")
     _switch(g, "--foreground", "-f", help="stay attached and log to stderr")
     g.add_argument("--log", metavar="FILE",
                    help="the daemon's log (default: /var/log/rankfs/MOUNTPOINT.log as root, else "

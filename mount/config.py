@@ -7,7 +7,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from rankfs.contract import GIB
+from rankfs.common.contract import GIB
 from rankfs.plan.spec import RankSpec
 
 # The loaders read nine files at once and a pushed chunk counts until its first page is read: a

@@ -17,13 +17,13 @@ import psutil
 import pyfuse3
 import trio
 
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.mount import kernel
 from rankfs.mount.config import MountConfig
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import RankLayout, plan_ranks
 from rankfs.reader.engine import ReadEngine
-from rankfs.reader.trace import Trace
+from rankfs.common.trace import Trace
 from rankfs.vfs.fs import RankFS
 from rankfs.vfs.push import push_prefetched
 from rankfs.vfs.tree import Tree
@@ -51,7 +51,7 @@ class Daemon:
         self.hook_loaded: dict[tuple[int, str], int] = {}
 
     async def command(self, text: str, pid: int):
-        """A command written to the control file (rankfs.contract); ValueError if unknown."""
+        """A command written to the control file (rankfs.common.contract); ValueError if unknown."""
         verb, args = contract.parse_command(text)
         if verb == contract.DROP:
             await self.drop()

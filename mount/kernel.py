@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from rankfs.contract import FSTYPE, MountEntry, find_mount
+from rankfs.common.contract import FSTYPE, MountEntry, find_mount
 
 log = logging.getLogger("rankfs.kernel")
 

@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.mount import kernel
 from rankfs.mount.config import MountConfig
-from rankfs.mount.errors import EXIT_FAILURE, EXIT_OK, fail, say
+from rankfs.mount.exits import EXIT_FAILURE, EXIT_OK, fail, say
 
 DAEMON_EXIT_SECONDS = 30.0
 

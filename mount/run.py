@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from rankfs.mount.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError, fail
+from rankfs.mount.exits import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError, fail
 
 BOOT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "loader", "boot")
 

@@ -7,9 +7,9 @@ import json
 import sys
 import time
 
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.mount import kernel
-from rankfs.mount.errors import EXIT_FAILURE, EXIT_OK, fail, say
+from rankfs.mount.exits import EXIT_FAILURE, EXIT_OK, fail, say
 
 
 def problem(mountpoint: str) -> str | None:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from rankfs.contract import Source
+from rankfs.common.contract import Source
 from rankfs.plan.errors import CheckpointError
 from rankfs.plan.safetensors import ShardHeader, TensorEntry, read_header
 

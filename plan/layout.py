@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.errors import LayoutError
 from rankfs.plan.extents import Extent, merged, tensor_extents
@@ -171,7 +171,7 @@ def index_json(views: list[View]) -> bytes:
 
 
 def sources_json(view: View, sources: tuple[contract.Source, ...]) -> bytes:
-    """The view's sources map (see rankfs.contract): what the engine hook reads directly."""
+    """The view's sources map (see rankfs.common.contract): what the engine hook reads directly."""
     used = sorted({f.source for f in view.files})
     position = {index: i for i, index in enumerate(used)}
     return contract.encode_sources(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 from typing import Callable
 
-from rankfs.reader.io import PAGE
+from rankfs.common.disk import PAGE
 
 
 class Backing:
@@ -60,7 +60,7 @@ class BufferPool:
     def new(self, nbytes: int) -> mmap.mmap:
         """A new buffer (in a worker thread: its pages fault in during the read, without the GIL;
         with MAP_POPULATE CPython would fault them in holding it). Shared memory, not the hook's
-        private huge pages (rankfs.reader.io.anonymous_map): with those the daemon's RSS doubled
+        private huge pages (rankfs.common.disk.anonymous_map): with those the daemon's RSS doubled
         and the view got no faster (docs/benchmark.md, twenty-eighth session)."""
         self.created += 1
         return mmap.mmap(-1, self.size_class(nbytes))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import FILL_BYTE
-from rankfs.reader.io import PAGE, align_down, align_up, covering_pages, inner_pages
+from rankfs.common.disk import PAGE, align_down, align_up, covering_pages, inner_pages
 
 if TYPE_CHECKING:
     import trio

@@ -22,15 +22,15 @@ import time
 
 import trio
 
-from rankfs.contract import Source
+from rankfs.common.contract import Source
 from rankfs.plan.extents import Extent
-from rankfs.reader.budget import Budget, Stats
+from rankfs.reader.accounting import Budget, Stats
 from rankfs.reader.buffers import Backing
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk, Fill
 from rankfs.reader.holdings import DEMAND_SLACK, Holdings
-from rankfs.reader.loading import BackingError, SourceReader
+from rankfs.reader.source_reader import BackingError, SourceReader
 from rankfs.reader.schedule import FileStream, ViewStream
-from rankfs.reader.trace import Trace, timed
+from rankfs.common.trace import Trace, timed
 
 log = logging.getLogger("rankfs.reader")
 

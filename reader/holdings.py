@@ -10,10 +10,10 @@ import logging
 
 import trio
 
-from rankfs.reader.budget import Budget, Stats
+from rankfs.reader.accounting import Budget, Stats
 from rankfs.reader.buffers import Backing, BufferPool
 from rankfs.reader.chunks import Chunk
-from rankfs.reader.loading import SourceReader
+from rankfs.reader.source_reader import SourceReader
 
 log = logging.getLogger("rankfs.reader")
 

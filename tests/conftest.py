@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dev.fixtures import deepseek_v4
-from dev.session import ROOT, mounted, rankfs  # noqa: F401  (the tests import them from here)
-from rankfs import contract
+from dev.mounting import ROOT, mounted, rankfs  # noqa: F401  (the tests import them from here)
+from rankfs.common import contract
 
 
 def pytest_runtest_setup(item):

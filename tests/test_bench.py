@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, mounted
 from dev.bench.profile import summarize
-from dev.bench.run import Bench, check_bitwise, hook_env_variants
+from dev.bench.bench import Bench, check_bitwise, hook_env_variants
 from rankfs.plan.safetensors import read_header
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT, mounted, rankfs
-from rankfs import contract
+from rankfs.common import contract
 
 
 def test_help_version_and_usage_errors(tmp_path):

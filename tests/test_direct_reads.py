@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from rankfs.contract import Source
+from rankfs.common.contract import Source
 from rankfs.loader.jobs import Copy, cached_jobs, read_run
 from rankfs.loader.landing import HostLanding
-from rankfs.loader.layout import Run, lay_out
+from rankfs.loader.packing import Run, lay_out
 from rankfs.plan.spec import Rows
 from rankfs.plan.extents import Extent
 from rankfs.reader import io
 from rankfs.reader.chunks import Chunk
-from rankfs.reader.io import PAGE, OpenFile, align_down, align_up, page_cache_holds
-from rankfs.reader.loading import SourceReader
-from rankfs.reader.trace import Trace
+from rankfs.common.disk import PAGE, OpenFile, align_down, align_up, page_cache_holds
+from rankfs.reader.source_reader import SourceReader
+from rankfs.common.trace import Trace
 
 SIZE = 8 << 20
 

@@ -33,7 +33,7 @@ def drive(engine: str, jobs: list[dict], hook_env: dict, runner: list[str]) -> t
     # The checkout first, then whatever path the engines and rankfs itself were found on.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            **hook_env}
-    result = subprocess.run([*runner, sys.executable, str(ROOT / "tests" / "engine_driver.py"), engine, json.dumps(jobs)],
+    result = subprocess.run([*runner, sys.executable, "-m", "dev.engine_driver", engine, json.dumps(jobs)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")], result.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, mounted, rankfs
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.mount import kernel
 from rankfs.mount.launch import wait_gone
 

@@ -11,11 +11,11 @@ import sys
 
 from rankfs.plan.extents import Extent
 from rankfs.reader import holdings
-from rankfs.reader.budget import Stats
+from rankfs.reader.accounting import Stats
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk
 from rankfs.reader.engine import ReadEngine
 from rankfs.reader.holdings import Holdings
-from rankfs.reader.io import PAGE
+from rankfs.common.disk import PAGE
 from rankfs.reader.schedule import CONSUMING_BYTES, FileStream
 
 

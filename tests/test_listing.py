@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from conftest import direct_digests, mapped_digests, mounted
 from dev.memstate import pinned, uncache
-from rankfs import contract
+from rankfs.common import contract
 
 pytestmark = pytest.mark.mount
 

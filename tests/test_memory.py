@@ -15,10 +15,10 @@ import threading
 import pytest
 
 from conftest import direct_digests, mapped_digests, mounted, rankfs, settled_status
-from dev.bench.trace import read_events
-from dev.session import ROOT
+from dev.bench.trace_summary import read_events
+from dev.mounting import ROOT
 from dev.memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.reader.engine import DEMAND_SLACK
 
 pytestmark = pytest.mark.mount

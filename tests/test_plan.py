@@ -11,7 +11,7 @@ import pytest
 
 from conftest import mounted, rankfs
 from dev.fixtures import deepseek_v4
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.loader.daemon_link import DaemonLink
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import plan_rank, plan_ranks

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 from dev.bench.push_limit import PIECE_BYTES, push_pieces
-from dev.bench.run import rank_ranges
+from dev.bench.bench import rank_ranges
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.spec import RankSpec

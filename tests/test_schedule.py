@@ -12,7 +12,7 @@ from rankfs.plan.extents import Extent
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.spec import RankSpec
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk, listing_pages, split_extent
-from rankfs.reader.io import PAGE
+from rankfs.common.disk import PAGE
 from rankfs.reader.engine import ReadEngine
 from rankfs.reader.schedule import CONSUMING_BYTES, SIGNAL_EVERY_CHUNKS, ViewStream
 from rankfs.vfs.tree import LazyView

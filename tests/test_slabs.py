@@ -18,10 +18,10 @@ from rankfs.loader.budget import Budget
 import rankfs.loader.device as device_module
 from rankfs.loader.device import DeviceSlabs
 from rankfs.loader.landing import DeviceLanding
-from rankfs.contract import GIB
+from rankfs.common.contract import GIB
 from rankfs.loader.settings import HookSettings, SettingError
 from rankfs.loader.slabs import HostBuffer, SlabPool
-from rankfs.reader.io import PAGE, OpenFile
+from rankfs.common.disk import PAGE, OpenFile
 
 MIB = 1 << 20
 

@@ -16,11 +16,11 @@ import rankfs.loader as loader
 import rankfs.loader.hook as hook_module
 from rankfs.loader import routing
 from conftest import mounted
-from dev.bench import trace as dev_trace
+from dev.bench import trace_summary
 from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
 from dev.fixtures import deepseek_v4
 from dev.memstate import MIB, cached_bytes, rss_bytes, uncache
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.loader.guard import SliceMismatch
 from rankfs.loader.landing import DeviceLanding
 from rankfs.plan.checkpoint import Checkpoint
@@ -28,7 +28,7 @@ from rankfs.plan.layout import plan_rank
 from rankfs.plan.profiles import BY_NAME
 from rankfs.plan.safetensors import read_header
 from rankfs.plan.spec import RankSpec
-from rankfs.reader.io import PAGE
+from rankfs.common.disk import PAGE
 
 PROFILE = BY_NAME["deepseek-v4"]
 SPEC = deepseek_v4.FixtureSpec.tiny()
@@ -309,7 +309,7 @@ def test_the_hook_traces_each_file_it_opens_and_each_group_it_stages(tiny_checkp
             loader.release("target")
     finally:
         loader.deactivate()
-    events = dev_trace.read_events(tmp_path / f"hook-{os.getpid()}.jsonl")
+    events = trace_summary.read_events(tmp_path / f"hook-{os.getpid()}.jsonl")
     opened = {e["path"]: e["groups"] for e in events if e["event"] == "open"}
     staged = [e for e in events if e["event"] == "group"]
     assert opened and collections.Counter(e["path"] for e in staged) == opened
@@ -322,7 +322,7 @@ def test_the_hook_traces_each_file_it_opens_and_each_group_it_stages(tiny_checkp
     assert sum(e["bytes"] for e in jobs) >= sum(e["bytes"] for e in staged)  # whole rows read for slices
     assert all(e["began"] <= e["ended"] and 0 <= e["cpu"] <= e["ended"] - e["began"] + 0.01 and e["reads"] >= 1
                for e in jobs)
-    summary = dev_trace.summarize_hook(events)
+    summary = trace_summary.summarize_hook(events)
     assert summary.startswith(f"groups: {len(staged)}, ")
     assert all(os.path.basename(path) in summary for path in opened)
 

@@ -43,11 +43,11 @@ def test_a_process_that_opens_no_rankfs_file_pays_nothing_heavy():
 
 def test_the_engines_loaders_are_wrapped_when_imported():
     """Wrapped on the class at import, before any load: every caller and subclass gets it."""
-    probe = ("import json, engine_driver; engine_driver.stand_in_for_torchvision();"
+    probe = ("import json; from dev import engine_driver; engine_driver.stand_in_for_torchvision();"
              "import sglang.srt.model_loader.loader as s, vllm.model_executor.model_loader.default_loader as v;"
              "print(json.dumps([s.DefaultModelLoader.load_weights_and_postprocess._rankfs_load,"
              " v.DefaultModelLoader.load_weights._rankfs_load]))")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "VLLM_TARGET_DEVICE": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu"}
     result = subprocess.run(["rankfs", "run", "--", sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                             text=True, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -55,7 +55,7 @@ def test_the_engines_loaders_are_wrapped_when_imported():
 
 
 def test_the_hook_imports_nothing_of_the_daemon():
-    """The engine side shares only rankfs.contract (and pure planning and I/O helpers) with the daemon."""
+    """The engine side shares only rankfs.common.contract (and pure planning and I/O helpers) with the daemon."""
     probe = ("import json, sys, rankfs.loader.hook;"
              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'pyfuse3')"
              " or m.startswith(('rankfs.vfs', 'rankfs.mount', 'rankfs.reader.engine', 'rankfs.plan.layout')))))")

@@ -8,7 +8,7 @@ import collections
 import pytest
 
 from conftest import mapped_digests, mounted, settled_status
-from dev.bench import trace as dev_trace
+from dev.bench import trace_summary
 from dev.memstate import MIB
 from rankfs.reader.chunks import CHUNK_BYTES
 
@@ -21,7 +21,7 @@ def test_a_trace_accounts_for_the_chunks_the_daemon_read_and_pushed(large_checkp
     with mounted(large_checkpoint, mount_dir, *flags):
         mapped_digests(mount_dir / "target")
         status = settled_status(mount_dir)
-    events = dev_trace.read_events(trace)  # complete once unmounted
+    events = trace_summary.read_events(trace)  # complete once unmounted
     count = collections.Counter(e["event"] for e in events)
     data = sum(e["pushed"] for e in events if e["event"] == "pushed" and not e["fill"])
     fill = sum(e["pushed"] for e in events if e["event"] == "pushed" and e["fill"])
@@ -34,7 +34,7 @@ def test_a_trace_accounts_for_the_chunks_the_daemon_read_and_pushed(large_checkp
     assert {paths[e["inode"]] for e in events if e["event"] == "first"} <= requested
     worker_calls = [e for e in events if e["event"] in ("read", "pushed")]
     assert all(e["asked"] <= e["began"] <= e["ended"] <= e["t"] for e in worker_calls)
-    summary = dev_trace.summarize(events)
+    summary = trace_summary.summarize(events)
     assert f"chunks read: {count['read'] - status['demand_loads']} ahead" in summary
     assert f"reads ahead: {count['read'] - status['demand_loads']}, " in summary
     assert f"pushes: {count['pushed']}, " in summary
@@ -47,7 +47,7 @@ def test_reads_ahead_are_bounded_by_their_bytes_not_their_count(large_checkpoint
     flags = ("--tp-size", 4, "--tp-rank", 1, "--workers", 2, "--trace", trace)
     with mounted(large_checkpoint, mount_dir, *flags):
         mapped_digests(mount_dir / "target")
-    events = dev_trace.read_events(trace)
+    events = trace_summary.read_events(trace)
     queued = {(e["inode"], e["offset"]): e["t"] for e in events if e["event"] == "queued"}
     spans = [(queued[(e["inode"], e["offset"])], e["t"], e["bytes"]) for e in events
              if e["event"] == "read" and not e["demand"]]

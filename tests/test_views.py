@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from conftest import expected_view, mounted
 from dev.fixtures import deepseek_v4
-from rankfs import contract
+from rankfs.common import contract
 
 pytestmark = pytest.mark.mount
 

@@ -32,8 +32,8 @@ import trio
 
 from rankfs.reader.chunks import Chunk
 from rankfs.reader.engine import ReadEngine
-from rankfs.reader.io import PAGE
-from rankfs.reader.trace import timed
+from rankfs.common.disk import PAGE
+from rankfs.common.trace import timed
 from rankfs.vfs.tree import Content
 
 log = logging.getLogger("rankfs.push")

@@ -6,7 +6,7 @@
     MOUNTPOINT/target/           and the shared view they are all started with: its shards are read
                                  only through the hook, which sends each rank to its own directory
     MOUNTPOINT/.rankfs/status.json   live figures (read by `rankfs status`)
-    MOUNTPOINT/.rankfs/control       commands to the daemon (see rankfs.contract)
+    MOUNTPOINT/.rankfs/control       commands to the daemon (see rankfs.common.contract)
     MOUNTPOINT/.rankfs/sources/VIEW.json   where each view tensor lies in the sources (for the hook)
 
 Every regular file is a list of extents: in-memory bytes (headers, indexes), fill (outside slices)
@@ -23,7 +23,7 @@ from typing import Callable
 
 import trio
 
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.plan.checkpoint import INDEX_NAME
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import RankLayout, View, index_json, sources_json

@@ -21,7 +21,7 @@ from dev.bench.engine_like import (MoELayout, Progress, allocate, copy_weights, 
                                    weights_digest)
 from dev.memstate import cpu_seconds, vm_hwm
 from rankfs.plan.profiles import BY_NAME
-from rankfs.reader.io import anonymous_map
+from rankfs.common.disk import anonymous_map
 
 PROFILE = BY_NAME["deepseek-v4"]
 

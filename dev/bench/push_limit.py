@@ -19,8 +19,8 @@ import pyfuse3
 import trio
 
 from dev.bench.engine_like import Progress
-from rankfs.reader.io import open_for_exact_reads
-from rankfs.reader.mapped import MappedSources
+from rankfs.common.disk import open_for_exact_reads
+from rankfs.reader.source_maps import MappedSources
 
 PIECE_BYTES = 8 << 20
 THREADS = min(16, 2 * (os.cpu_count() or 1))

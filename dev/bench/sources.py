@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from dev.bench.engine_like import iterate
-from rankfs.reader.io import anonymous_map
+from rankfs.common.disk import anonymous_map
 
 
 def stock(files: list[str]):

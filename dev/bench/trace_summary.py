@@ -3,7 +3,7 @@ the hook's (RANKFS_HOOK_TRACE=FILE) and, where given, the benchmark row of that 
 on the same clock).
 
     python3 -m dev bench ... --trace            # a trace and its summary per row through a view
-    python3 -m dev.bench.trace TRACE [ROW_JSON] [--step SECONDS]
+    python3 -m dev.bench.trace_summary TRACE [ROW_JSON] [--step SECONDS]
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def read_events(path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m dev.bench.trace", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m dev.bench.trace_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="the daemon's trace (rankfs mount --trace FILE) or the hook's (RANKFS_HOOK_TRACE)")
     p.add_argument("row", nargs="?", help="the load's benchmark row, JSON (a line of rows.jsonl)")
     p.add_argument("--step", type=float,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from rankfs.reader.io import PAGE, OpenFile, align_down, align_up, covering_pages
+from rankfs.common.disk import PAGE, OpenFile, align_down, align_up, covering_pages
 
 RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small enough to spread over threads
 

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from rankfs.reader.io import MADV_POPULATE_READ, covering_pages, madvise, willneed_pieces, willneed_reach
+from rankfs.common.disk import MADV_POPULATE_READ, covering_pages, madvise, willneed_pieces, willneed_reach
 
 
 LARGEST_FOLIO = 2 << 20  # the page cache's largest folio on x86-64 (a PMD)
@@ -73,7 +73,7 @@ class MappedSources:
     def _unmap_around(self, index: int, begin: int, end: int, holding_gil: bool = False):
         """Unmap the largest-folio-aligned range around [begin, end), but for the pages of ranges
         still viewed: those stay mapped, so that neither a fault nor an eviction slows their reply.
-        `holding_gil` on the event loop's thread (see rankfs.reader.io.madvise)."""
+        `holding_gil` on the event loop's thread (see rankfs.common.disk.madvise)."""
         source = self._maps[index]
         around = (begin // LARGEST_FOLIO * LARGEST_FOLIO, min(len(source), -(-end // LARGEST_FOLIO) * LARGEST_FOLIO))
         with self._lock:

@@ -1,4 +1,4 @@
-"""Read events, a JSON line each, for diagnosis (read by `python3 -m dev.bench.trace`).
+"""Read events, a JSON line each, for diagnosis (read by `python3 -m dev.bench.trace_summary`).
 
 The daemon's (`rankfs mount --trace FILE`): when each chunk was queued for read-ahead, read,
 pushed and first asked for, and each request the kernel made, with the seconds its answer took. A

@@ -16,12 +16,12 @@ import threading
 
 import numpy as np
 
-from rankfs.contract import Source
+from rankfs.common.contract import Source
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
-from rankfs.reader.io import PAGE, OpenFile, page_cache_holds
-from rankfs.reader.mapped import MappedSources
+from rankfs.common.disk import PAGE, OpenFile, page_cache_holds
+from rankfs.reader.source_maps import MappedSources
 
 
 class BackingError(OSError):

@@ -1,16 +1,17 @@
 """Loads checkpoints with SGLang's or vLLM's real DefaultModelLoader on the CPU, the way the engines
 drive it, into a tiny model whose `load_weights` narrows experts the FusedMoE way; run by
-tests/test_engines.py, under `rankfs run` or not.
+tests/test_engines.py and `python3 -m dev gpu-load --engine`, under `rankfs run` or not.
 
-    python3 tests/engine_driver.py sglang|vllm JOBS_JSON
+    python3 -m dev.engine_driver sglang|vllm JOBS_JSON
 
 JOBS_JSON: [{"directory", "phase": "target"|"draft", "layout": MoELayout fields, "counts": {expert
 group: experts}, "device": "cpu" (default) or "cuda", "uncache": [files to drop from the page cache
 first]}, ...], loaded in order in this one process. ENGINE_DRIVER_STAGE_ON=host: the hook stages as
 it does on a GPU (bounce buffers into device slabs), host memory standing in for the GPU's.
-Prints one JSON line per load: the parameters' digests, the releases the hook had made when the load
-returned (with their figures), whether the garbage collector ran inside the load and after it, and
-the process's threads.
+Prints one JSON line per load: the parameters' digests, the seconds it took, the releases the hook
+had made when the load returned (with their figures), whether the garbage collector ran inside the
+load and after it, the process's threads, and on a GPU what CUDA's allocator holds once it returned
+against the parameters' bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import sys
 import threading
+import time
 import types
 
 import torch
@@ -99,6 +101,19 @@ def vllm(directories: list[str]):
     return load
 
 
+RELEASE_FIGURES = ("pinned", "pinned_bytes", "peak_slab_bytes", "peak_host_bytes", "peak_device_bytes", "slabs",
+                   "slab_requests", "windows", "staged_on", "cuda_reserved", "nvml_process", "release_seconds")
+
+
+def cuda_figures(model: TinyMoE) -> dict | None:
+    """What CUDA's allocator holds once a load returned, against the parameters the model keeps."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.synchronize()
+    return {"reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated(),
+            "parameters": sum(t.numel() * t.element_size() for t in model.weights.values() if t.is_cuda)}
+
+
 def main(engine: str, jobs: list[dict]):
     load = sglang() if engine == "sglang" else vllm(sorted({job["directory"] for job in jobs}))
     if os.environ.get("ENGINE_DRIVER_STAGE_ON") == "host":
@@ -108,20 +123,21 @@ def main(engine: str, jobs: list[dict]):
         device = job.get("device", "cpu")
         uncache(job.get("uncache", []))
         model = TinyMoE(job["phase"], MoELayout(**job["layout"]), job["counts"], device)
+        began = time.monotonic()
         load(job["directory"], model, job["phase"] == "draft", torch.device(device))
+        seconds = time.monotonic() - began
         import rankfs.loader
         hook = rankfs.loader.current()
-        print(json.dumps({"directory": job["directory"], "phase": job["phase"],
+        print(json.dumps({"directory": job["directory"], "phase": job["phase"], "seconds": seconds,
                           "digests": {n: digest(t) for n, t in sorted(model.weights.items())},
                           "releases": [r["phase"] for r in hook.releases] if hook else [],
                           "slabs_alive": [r["slabs_alive"] for r in hook.releases] if hook else [],
-                          "release_figures": [{k: r[k] for k in ("pinned", "pinned_bytes", "peak_slab_bytes", "slabs",
-                                                                 "slab_requests", "windows", "staged_on",
-                                                                 "cuda_reserved",
-                                                                 "nvml_process")}
-                                              for r in hook.releases] if hook else [],
+                          "release_figures": [{k: r[k] for k in RELEASE_FIGURES} for r in hook.releases]
+                          if hook else [],
+                          "cuda": cuda_figures(model),
                           "collector_in_load": model.collector_in_load, "collector_after": gc.isenabled(),
                           "threads": threading.active_count()}), flush=True)
+        del model
 
 
 if __name__ == "__main__":

@@ -48,17 +48,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dev.bench import profile
-from dev.bench import trace as dev_trace
+from dev.bench import trace_summary
 from dev.fixtures import deepseek_v4
 from dev.memstate import cached_bytes, cpu_seconds, uncache, vm_hwm
-from dev.session import ROOT, mounted
+from dev.mounting import ROOT, mounted
 import rankfs
-from rankfs import contract
+from rankfs.common import contract
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.profiles import BY_NAME
 from rankfs.plan.spec import RankSpec
-from rankfs.reader.io import merge_adjacent
+from rankfs.common.disk import merge_adjacent
 
 CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), an EP1 rank (sliced)
     "ep2": (4, 0, 2),
@@ -193,10 +193,10 @@ class Bench:
             result = self.measure(label, kind, run_args, mode, files, mnt, run)
         if trace is not None and trace.exists():  # complete once unmounted
             trace.with_suffix(".summary.txt").write_text(
-                dev_trace.summarize(dev_trace.read_events(trace), result) + "\n")
+                trace_summary.summarize(trace_summary.read_events(trace), result) + "\n")
         if hook_trace is not None and hook_trace.exists():
             hook_trace.with_suffix(".summary.txt").write_text(
-                dev_trace.summarize_hook(dev_trace.read_events(hook_trace), result) + "\n")
+                trace_summary.summarize_hook(trace_summary.read_events(hook_trace), result) + "\n")
         return result
 
     def measure(self, label: str, kind: str, args: dict, mode: str, files: list[str],
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
                         "(with C frames; pauses the process at each sample)")
     p.add_argument("--trace", action="store_true",
                    help="trace the daemon of each row through a view (rankfs mount --trace), and the hook "
-                        "(RANKFS_HOOK_TRACE): OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace)")
+                        "(RANKFS_HOOK_TRACE): OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace_summary)")
     p.add_argument("--hook-env", default="", metavar="VARIANTS",
                    help="run the hook's rows once per variant, in the same rounds: variants separated by ';', "
                         "each NAME=VALUE[,NAME=VALUE] of RANKFS_HOOK_* variables, an empty one for the defaults "
