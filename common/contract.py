@@ -27,10 +27,13 @@ VIEW_KEY = "rankfs.view"  # which view, rank and profile the shard belongs to (f
 
 # Commands written to the control file. `loaded VIEW BYTES`: a hook loads VIEW straight from the
 # sources and has loaded BYTES of it so far (the daemon counts them in its status, and reads nothing
-# ahead for that view). `drop`: release the daemon's buffers and the views' page cache; the write
-# returns once that is done.
+# ahead for that view). `consumed VIEW FILE`: a hook of a mount that serves several local ranks is
+# done reading FILE of VIEW from the sources (the daemon drops the source pages no rank needs any
+# more). `drop`: release the daemon's buffers and the views' page cache. Each write returns once
+# the daemon has carried it out.
 DROP = "drop"
 LOADED = "loaded"
+CONSUMED = "consumed"
 
 
 def flat_name(view_dir: str) -> str:
@@ -90,8 +93,8 @@ class SourcesMapError(ValueError):
 
 class SourcesMap:
     """A view's decoded sources map. Each view file's tensors are decoded when it is opened: at
-    the production layout a view's map is 5 MB, which decoded whole took 0.3 s on the 2-core VM
-    while the loader's first eight opens waited."""
+    the production layout a view's map is megabytes, whose decoding the loader's first opens would
+    all wait for."""
 
     def __init__(self, data: bytes):
         import json
@@ -133,6 +136,10 @@ def loaded_command(view_dir: str, loaded_bytes: int) -> str:
     return f"{LOADED} {view_dir} {loaded_bytes}"
 
 
+def consumed_command(view_dir: str, file_name: str) -> str:
+    return f"{CONSUMED} {view_dir} {file_name}"
+
+
 def parse_command(text: str) -> tuple[str, list[str]]:
     """(verb, arguments) of a command; ValueError for anything else."""
     words = text.split()
@@ -140,7 +147,10 @@ def parse_command(text: str) -> tuple[str, list[str]]:
         return DROP, []
     if words[:1] == [LOADED] and len(words) == 3 and words[2].isdigit():
         return LOADED, words[1:]
-    raise ValueError(f"unknown command {text.strip()[:80]!r}; expected '{DROP}' or '{LOADED} VIEW BYTES'")
+    if words[:1] == [CONSUMED] and len(words) == 3:
+        return CONSUMED, words[1:]
+    raise ValueError(f"unknown command {text.strip()[:80]!r}; expected '{DROP}', '{LOADED} VIEW BYTES' or "
+                     f"'{CONSUMED} VIEW FILE'")
 
 
 # -- finding mounts -------------------------------------------------------------------------------

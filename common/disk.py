@@ -97,8 +97,7 @@ def unmap_pages(address: int, length: int):
 def anonymous_map(nbytes: int) -> mmap.mmap:
     """Zero-filled memory of this process's own, in huge pages where the kernel gives them: a fault
     per 2 MiB and a TLB entry for it, which the copies out of it feel too. Python's
-    mmap.mmap(-1, n) alone maps shared memory (shmem), which never takes huge pages (figures in
-    docs/benchmark.md, twenty-eighth session)."""
+    mmap.mmap(-1, n) alone maps shared memory (shmem), which never takes huge pages."""
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     memory.madvise(mmap.MADV_HUGEPAGE)
     return memory
@@ -148,10 +147,16 @@ class OpenFile:
 
     Direct reads fill whole pages: the bytes wanted must sit in the buffer at an offset congruent to
     their file offset modulo PAGE, with the rest of their first and last pages free to be
-    overwritten (`read_into`)."""
+    overwritten (`read_into`).
 
-    def __init__(self, path: str, direct: bool = True):
+    `shared`: other processes on the host read the same pages (local ranks of one mount): every
+    read goes through the page cache and leaves its pages there, for them; someone else drops them
+    (the mount's daemon, once every rank is done with them)."""
+
+    def __init__(self, path: str, direct: bool = True, shared: bool = False):
         self.path = path
+        self.shared = shared
+        direct = direct and not shared
         self.fd = open_for_exact_reads(path)
         self.direct_fd: int | None = None
         self._retired_fd: int | None = None  # a direct fd given up on (closed with the file)
@@ -162,6 +167,8 @@ class OpenFile:
         if self._size:
             try:
                 self._map = map_pages(self.fd, 0, self._size, path)
+                # A fault reads only its page: the kernel's read-around would add other ranks' bytes.
+                madvise(self._map, self._size, mmap.MADV_RANDOM, holding_gil=True)
             except OSError:
                 pass
         if direct and self._size:
@@ -178,8 +185,7 @@ class OpenFile:
     def resident(self, begin: int, end: int) -> bool:
         """Whether the page cache holds every page of [begin, end), asked with the GIL let go:
         cachestat counts the file's cached pages without the process's memory map, whose lock a
-        mincore shares with every page fault, map and page-lock of the loader's threads (on the
-        H200 host a mincore per 16 MiB read waited 1.3 ms on average inside a load). mincore
+        mincore shares with every page fault, map and page-lock of the loader's threads. mincore
         where the kernel is older than 6.5 or refuses the file."""
         if self._map is None or end > self._size or end <= begin:
             return False
@@ -238,7 +244,7 @@ class OpenFile:
         direct_fd = self.direct_fd
         cached = cached or self.cached(offset, offset + length)
         if cached or direct_fd is None:
-            if not cached:  # pages this read may add to the cache
+            if not cached and not self.shared:  # pages this read may add to the cache
                 self.reading_through_cache(offset, offset + length)
             return read_exactly(self.fd, buffer[at:at + length], offset, what)
         skip = offset - align_down(offset)

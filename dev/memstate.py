@@ -7,6 +7,8 @@ import contextlib
 import ctypes
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from rankfs.common.disk import RESIDENT_BIT
 
@@ -23,11 +25,14 @@ def _libc():
     return libc
 
 
-def resident_pages(path) -> int:
-    """Pages of a file in the page cache: mincore over a private read-only map (faults nothing in)."""
+def page_residency(path) -> bytes:
+    """Per page of a file, 1 where the page cache holds it: mincore over a private read-only map
+    (faults nothing in)."""
     libc = _libc()
     size = os.path.getsize(path)
     pages = -(-size // mmap.PAGESIZE)
+    if not pages:
+        return b""
     fd = os.open(path, os.O_RDONLY)
     try:
         address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
@@ -39,9 +44,21 @@ def resident_pages(path) -> int:
                 raise OSError(ctypes.get_errno(), "mincore")
         finally:
             libc.munmap(address, size)
-        return bytes(vec).translate(RESIDENT_BIT).count(1)
+        return bytes(vec).translate(RESIDENT_BIT)
     finally:
         os.close(fd)
+
+
+def resident_pages(path) -> int:
+    """Pages of a file in the page cache."""
+    return page_residency(path).count(1)
+
+
+def cached_bytes_in(path, spans) -> int:
+    """Bytes of the pages of `spans` ((begin, end) in the file) the page cache holds."""
+    residency = page_residency(path)
+    pages = {page for begin, end in spans for page in range(begin // mmap.PAGESIZE, -(-end // mmap.PAGESIZE))}
+    return sum(residency[page] for page in pages if page < len(residency)) * mmap.PAGESIZE
 
 
 @contextlib.contextmanager
@@ -101,3 +118,28 @@ def vm_hwm(pid: int | str = "self") -> int:
     """A process's peak resident memory."""
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+def disk_read_bytes(pid: int | str = "self") -> int:
+    """The bytes a process has caused to be read from storage, all its threads (/proc/PID/io:
+    buffered reads and readahead, direct reads and page faults alike; none from the page cache)."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def drop_caches() -> bool:
+    if os.geteuid() != 0:
+        return False
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    return True
+
+
+def warm(files):
+    """The files into the page cache, eight at a time."""
+    def read(path):
+        with open(path, "rb") as f:
+            while f.read(16 << 20):
+                pass
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(read, files))

@@ -1,7 +1,8 @@
 """What the hook asks of a mount's daemon, through the mount itself (rankfs.common.contract): where the
 mount's root and this rank's view lie, where a view file's tensors lie in the source shards, telling
-it how much of a view was loaded straight from them, and asking it to drop what it holds after a
-load. Standard library only."""
+it how much of a view was loaded straight from them and, where it serves several local ranks, which
+view files this rank is done reading, and asking it to drop what it holds after a load. Standard
+library only."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from rankfs.common import contract
@@ -38,8 +40,7 @@ class ViewProgress:
     def add(self, nbytes: int):
         """Count bytes loaded; report them where one is due and none is being sent. Called on the
         loader's threads as tensors are handed out or let go: none waits for another's report (a
-        write through the mount, three FUSE round trips), which held a warm sliced load's copy
-        threads 13 % of their samples on the 2-core VM."""
+        write through the mount, three FUSE round trips)."""
         with self._counting:
             self.loaded += nbytes
         if time.monotonic() - self._reported_at >= REPORT_INTERVAL and self._sending.acquire(blocking=False):
@@ -74,6 +75,8 @@ class DaemonLink:
         # and the loader's eight open threads wait on them before the first tensor.
         self._roots: dict[str, str] = {}  # view directory path -> its mount point
         self._rank_views: dict[str, bool] = {}  # directory of views -> whether it has rank-R/ views
+        self._consumed: set[str] = set()  # view files reported done with, to a mount of several ranks
+        self._reports: ThreadPoolExecutor | None = None  # sends those reports, off the loader's threads
 
     def placement(self, path: str) -> dict[str, tuple[OpenFile, int]] | None:
         """Where a view file's tensors lie in the source shards, opened: {tensor: (source, offset
@@ -88,7 +91,8 @@ class DaemonLink:
             if sources_map is None:
                 return None
             places = sources_map.places(os.path.basename(path))
-            opened = {i: self._open(sources_map.sources[i]) for i in {i for i, _ in places.values()}}
+            shared = self.serves_several_ranks(mountpoint)
+            opened = {i: self._open(sources_map.sources[i], shared) for i in {i for i, _ in places.values()}}
         except OSError as exc:
             log.info("rankfs hook: %s: reading through the mount: %s", path, exc)
             return None
@@ -108,11 +112,13 @@ class DaemonLink:
                     self._maps[map_file] = None
             return self._maps[map_file]
 
-    def _open(self, source: contract.Source) -> OpenFile:
+    def _open(self, source: contract.Source, shared: bool) -> OpenFile:
+        """A source, opened once per load; `shared` with the mount's other local ranks, which read
+        pages of it too (rankfs.common.disk.OpenFile)."""
         with self._lock:
             opened = self._sources.get(source.path)
             if opened is None:
-                opened = OpenFile(source.path)
+                opened = OpenFile(source.path, shared=shared)
                 if not source.unchanged(os.fstat(opened.fd)):
                     opened.close()
                     raise OSError(f"{source.path}: changed since it was mounted")
@@ -128,15 +134,24 @@ class DaemonLink:
             root = self._roots[view_dir] = contract.mount_root(view_dir)
         return root
 
+    def serves_several_ranks(self, directory: str) -> bool:
+        """Whether a directory of views is a mount's root that serves several local ranks (it holds
+        rank-R/ views)."""
+        several = self._rank_views.get(directory)
+        if several is None:
+            try:
+                several = any(name.startswith("rank-") for name in os.listdir(directory))
+            except OSError:
+                several = False
+            self._rank_views[directory] = several
+        return several
+
     def own_rank_path(self, path: str, rank: Callable[[], int]) -> str | None:
         """A shard of the view shared by a mount's local ranks (MNT/target/X) is read from this rank's
         own view (MNT/rank-R/target/X, R from `rank()`); None when this rank's view has no such shard."""
         view_dir = os.path.dirname(path)
         root = os.path.dirname(view_dir)
-        shared = self._rank_views.get(root)
-        if shared is None:
-            shared = self._rank_views[root] = os.path.isdir(os.path.join(root, "rank-0"))
-        if not shared:
+        if not self.serves_several_ranks(root):
             return path
         own = os.path.join(root, f"rank-{rank()}", os.path.basename(view_dir), os.path.basename(path))
         return own if os.path.exists(own) else None
@@ -161,21 +176,46 @@ class DaemonLink:
         for progress in views:
             progress.flush()
 
-    def close(self, uncache: set[str]):
-        """Report the last figures, drop what the load added to the sources' page cache (all of
-        those in `uncache`, which it mapped) and close them (after a load)."""
+    def consumed(self, path: str):
+        """This rank is done reading a view file from the sources. A mount that serves several local
+        ranks hears of it (on a thread of its own: the write waits for the daemon), and drops the
+        source pages no rank needs any more; the hooks leave that to it."""
+        mountpoint = self.mount_root(path)
+        if not self.serves_several_ranks(mountpoint):
+            return
+        command = contract.consumed_command(os.path.relpath(os.path.dirname(path), mountpoint), os.path.basename(path))
+        with self._lock:
+            if path in self._consumed:
+                return
+            self._consumed.add(path)
+            if self._reports is None:
+                self._reports = ThreadPoolExecutor(1, thread_name_prefix="rankfs-consumed")
+            self._reports.submit(_send, mountpoint, command)
+
+    def close(self, paths: set[str], uncache: set[str]):
+        """After a load: report the last figures and the view files it read (`paths`), drop what the
+        load added to the sources' page cache (all of those in `uncache`, which it mapped, unless
+        other local ranks share them: their daemon drops those) and close them."""
         self.flush_progress()
         with self._lock:
             for path, opened in self._sources.items():
-                if path in uncache:
+                if path in uncache and not opened.shared:
                     os.posix_fadvise(opened.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                opened.drop_added()
-                opened.close()
+                opened.drop_added()  # where it read through the page cache (a filesystem without O_DIRECT)
+                opened.close()  # unmapped first: the page cache keeps pages a process maps
+        for path in paths:
+            self.consumed(path)
+        with self._lock:
+            reports, self._reports = self._reports, None
+        if reports is not None:
+            reports.shutdown(wait=True)
+        with self._lock:
             self._sources.clear()
             self._maps.clear()
             self._progress.clear()
             self._roots.clear()
             self._rank_views.clear()
+            self._consumed.clear()
 
 
 def drop_daemons(paths: set[str]):
@@ -189,15 +229,15 @@ def drop_daemons(paths: set[str]):
         except (OSError, ValueError, KeyError) as exc:  # unmounted already
             log.info("rankfs hook: %s: daemon not asked to drop: %s", mountpoint, exc)
             continue
-        sender = threading.Thread(target=_send_drop, args=(mountpoint,), name="rankfs-drop", daemon=True)
+        sender = threading.Thread(target=_send, args=(mountpoint, contract.DROP), name="rankfs-drop", daemon=True)
         sender.start()
         sender.join(DROP_TIMEOUT)
         if sender.is_alive():
             log.warning("rankfs hook: %s: the daemon did not confirm the drop within %g s", mountpoint, DROP_TIMEOUT)
 
 
-def _send_drop(mountpoint: str):
+def _send(mountpoint: str, command: str):
     try:
-        contract.send(mountpoint, contract.DROP)
+        contract.send(mountpoint, command)
     except OSError as exc:
-        log.info("rankfs hook: %s: daemon not asked to drop: %s", mountpoint, exc)
+        log.info("rankfs hook: %s: %r not sent: %s", mountpoint, command, exc)

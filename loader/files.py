@@ -11,18 +11,16 @@ guarded full-shape stand-in holding only the slice; row-store tables are left to
 from __future__ import annotations
 
 import json
-import os
-import struct
 
+import numpy as np
 import torch
 
 from rankfs.common import contract
+from rankfs.loader.context import FileContext
 from rankfs.loader.guard import SlicedTensor
 from rankfs.plan.safetensors import read_header
 from rankfs.plan.spec import Rows, Slice
 from rankfs.common.disk import PAGE, OpenFile
-
-READ_AROUND = 16 << 20  # how far the kernel may read around a mapped read: the largest read_ahead_kb met
 
 TORCH_DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -34,10 +32,10 @@ TORCH_DTYPES = {
 
 
 class RankfsFile:
-    def __init__(self, path: str, hook, placement: dict | None):
+    def __init__(self, path: str, context: FileContext, placement: dict | None):
         self.path = path
-        self._hook = hook
-        self._stock: dict[str, object] = {}
+        self._files = context
+        self._stock = None  # the stock reader over the view file, for row-store tables
         header = read_header(path, direct=True)
         self._data_start = header.data_start
         self._entries = header.tensors
@@ -50,13 +48,13 @@ class RankfsFile:
         self._on_demand = set(json.loads(meta.get(contract.ON_DEMAND_KEY, "[]")))
         self._placement = placement  # {tensor: (source OpenFile, offset)}, or None: read the view file
         # The view itself only where something is read from it (its open is a FUSE round trip).
-        from_view = placement is None or any(name not in placement for name in self._on_demand)
+        from_view = placement is None or bool(self._on_demand)
         self._view = OpenFile(path, direct=False) if from_view else None
         # Bytes read from the sources bypass the mount: the daemon hears of them from the hook.
-        self._progress = hook.link.progress(path) if placement is not None else None
+        self._progress = context.link.progress(path) if placement is not None else None
         eager = [n for n in sorted(self._entries) if n not in self._on_demand]
         # Two pages more per tensor: a slab places each tensor's bytes at their place within a page.
-        self.groups = pack([(n, self.resident_bytes(n) + 2 * PAGE) for n in eager], hook.settings.slab_bytes)
+        self.groups = pack([(n, self.resident_bytes(n) + 2 * PAGE) for n in eager], context.slab_bytes)
         self._group_of = {name: g for g, group in enumerate(self.groups) for name in group}
 
     # -- the safe_open interface ----------------------------------------------------------------
@@ -72,7 +70,7 @@ class RankfsFile:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         if name in self._on_demand:
-            return self._stock_read(name, "get_tensor")
+            return self._row_store(name)
         if name not in self._group_of:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         entry = self._entries[name]
@@ -145,19 +143,25 @@ class RankfsFile:
         if self._progress is not None:
             self._progress.add(nbytes)
 
+    def _row_store(self, name: str) -> torch.Tensor:
+        """A row-store table, which the engine's row store reads rows of later, and a load only
+        checks the shape of: a view of a map of its source, so that nothing is read until touched
+        and only the pages touched (the map reads around nothing: the stock reader read megabytes
+        around the table, other ranks' bytes among them). Through the view where the mount does
+        not say where it lies."""
+        if self._placement is None or name not in self._placement:
+            return self._stock_read(name, "get_tensor")
+        source, offset = self._placement[name]
+        entry = self._entries[name]
+        array = np.frombuffer(self._files.source_map(source.path), np.uint8)[offset:offset + entry.nbytes]
+        return torch.from_numpy(array).view(TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
+
     def _stock_read(self, name: str, method: str):
-        """What the hook leaves to the stock reader (row-store tables): on the tensor's source
-        shard, where it lies under the same name, when the mount says which. The pages it brings
-        into the page cache are dropped after the load."""
-        source = self._placement[name][0] if self._placement is not None and name in self._placement else self._view
-        if source.path not in self._stock:  # opening it reads the header, as this does
-            source.reading_through_cache(0, 8, around=READ_AROUND)
-            header_end = 8 + struct.unpack("<Q", os.pread(source.fd, 8, 0))[0]
-            source.reading_through_cache(8, header_end, around=READ_AROUND)
-            self._stock[source.path] = self._hook.stock_open(source.path, framework="pt")
-        begin, nbytes = self.span(name)
-        source.reading_through_cache(begin, begin + nbytes, around=READ_AROUND)
-        return getattr(self._stock[source.path], method)(name)
+        """What the hook leaves to the stock reader: the view file itself (its page cache is
+        dropped at the release)."""
+        if self._stock is None:
+            self._stock = self._files.stock_open(self.path, framework="pt")
+        return getattr(self._stock, method)(name)
 
 
 def pack(sizes: list[tuple[str, int]], slab_bytes: int) -> list[list[str]]:

@@ -7,6 +7,7 @@ to the `rankfs mount` that started it, so that command exits 0 only once the vie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from rankfs.mount.config import MountConfig
 from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.layout import RankLayout, plan_ranks
 from rankfs.reader.engine import ReadEngine
+from rankfs.reader.host_pages import HostPages
 from rankfs.common.trace import Trace
 from rankfs.vfs.fs import RankFS
 from rankfs.vfs.push import push_prefetched
@@ -49,16 +51,34 @@ class Daemon:
         self.drops = 0
         # {(pid, view): bytes} engine hooks have loaded straight from the sources
         self.hook_loaded: dict[tuple[int, str], int] = {}
+        self.host_pages: HostPages | None = None  # with several local ranks, once a hook is done with a file
+        self._host_pages_made = trio.Lock()  # hooks report side by side: one ledger, made once
+        self.uncached_shared_bytes = 0  # source pages dropped once every local rank was done with them
 
     async def command(self, text: str, pid: int):
         """A command written to the control file (rankfs.common.contract); ValueError if unknown."""
         verb, args = contract.parse_command(text)
         if verb == contract.DROP:
             await self.drop()
+        elif verb == contract.CONSUMED:
+            await self.consumed(*args)
         else:
             view, loaded = args
             self.hook_loaded[(pid, view)] = int(loaded)
             self.engine.hooked(view)
+
+    async def consumed(self, view: str, file: str):
+        """A hook is done reading a view file from the sources: the source pages no local rank
+        needs any more leave the page cache (the hooks of a mount of several local ranks read
+        through it, so that the host reads each page once)."""
+        if len(self.layouts) == 1:
+            return
+        async with self._host_pages_made:
+            if self.host_pages is None:
+                self.host_pages = await trio.to_thread.run_sync(HostPages.of, self.layouts)
+        ranges = self.host_pages.consumed(view, file)
+        await self.engine.uncache(ranges)
+        self.uncached_shared_bytes += sum(end - begin for _, begin, end in ranges)
 
     async def drop(self):
         """Release the read engine's memory and the views' page cache."""
@@ -82,15 +102,22 @@ class Daemon:
             loaded[view] = max(loaded.get(view, 0), nbytes)
         return loaded
 
+    def counters(self) -> dict:
+        """What the read engine and the FUSE operations have done: the engine's Stats (bytes read
+        from the sources as a total) and the requests answered."""
+        stats = self.engine.stats
+        return {**{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)},
+                "read_bytes": sum(stats.read_bytes.values()), **self.ops.counters(),
+                "uncached_shared_bytes": self.uncached_shared_bytes}
+
     def status(self) -> dict:
-        stats, budget = self.engine.stats, self.engine.budget
-        read_total = sum(stats.read_bytes.values())
+        counters, budget = self.counters(), self.engine.budget
         hooks = self._loaded_by_hooks()
         when, before, rate = self._rate
         now = time.monotonic()
         if now - when >= 1.0:
-            rate = (read_total - before) / (now - when)
-            self._rate = (now, read_total, rate)
+            rate = (counters["read_bytes"] - before) / (now - when)
+            self._rate = (now, counters["read_bytes"], rate)
         return {
             "pid": os.getpid(),
             "mountpoint": self.config.mountpoint,
@@ -101,29 +128,15 @@ class Daemon:
             "views": [{"view": v.name, "planned_bytes": v.planned_bytes, "served_bytes": v.served_bytes,
                        "hook_loaded_bytes": hooks.get(v.name, 0), "active": v.active or v.name in hooks}
                       for v in self.engine.views.values()],
-            "read_bytes": read_total,
-            "on_demand_read_bytes": stats.on_demand_read_bytes,
+            **counters,
+            "counters": sorted(counters),
             "read_rate_bytes_per_s": rate,
             "held_bytes": budget.used,
             "peak_held_bytes": budget.peak,
-            "budget_bytes": budget.limit,
+            "budget_bytes": budget.ceiling,
+            "read_ahead_limit_bytes": budget.limit,
             "rss_bytes": psutil.Process().memory_info().rss,
-            "requests": self.ops.requests,
-            "request_bytes": self.ops.request_bytes,
-            "fill_bytes": self.ops.fill_bytes,
-            "demand_loads": stats.demand_loads,
-            "prefetch_loads": stats.prefetch_loads,
-            "pushed_bytes": stats.pushed_bytes,
-            "pushed_fill_bytes": stats.pushed_fill_bytes,
-            "listing_pages": stats.listing_pages,
-            "listing_pages_left": stats.listing_pages_left,
-            "listing_pages_refused": stats.listing_pages_refused,
-            "remnant_bytes": stats.remnant_bytes,
-            "reread_bytes": stats.reread_bytes,
-            "evicted_reread_bytes": stats.evicted_reread_bytes,
-            "uncache_pending_bytes": stats.uncache_pending_bytes,
             "memory": self.engine.held.figures(),
-            "errors": stats.errors,
             "drops": self.drops,
             "tuning": self.tuning,
             "log_file": self.config.log_file,

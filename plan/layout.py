@@ -128,6 +128,21 @@ class VirtualFile:
     def size(self) -> int:
         return len(self.header) + self.data_bytes
 
+    def source_reads(self) -> list[tuple[int, int]]:
+        """[begin, end) in its source of what a reader of the sources takes for each tensor, in file
+        order, row-store tables left out: a whole tensor, a slice's block, or the whole rows of a
+        slice spread over them."""
+        spans = []
+        for t in self.tensors:
+            if t.on_demand:
+                continue
+            begin, length = t.source_offset, t.nbytes
+            rows = t.slice.rows(t.dtype, t.shape) if t.slice is not None else None
+            if rows is not None and rows.is_block:
+                begin, length = begin + rows.keep_start, rows.kept_bytes
+            spans.append((begin, begin + length))
+        return spans
+
     def extents(self) -> list[Extent]:
         """The file's bytes from start to end, adjacent source runs merged."""
         order = {name: i for i, name in enumerate(sorted(t.name for t in self.tensors))}

@@ -24,56 +24,20 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from dev.bench.engine_like import digest, expert_counts, shard_files
-from dev.bench.bench import drop_caches, hook_env_variants, warm
+from dev.bench.bench import hook_env_variants
+from dev.bench.engine_like import expert_counts, shard_files
+from dev.memstate import cached_bytes, disk_read_bytes, uncache, warm
 from dev.mounting import ROOT, mounted
+from rankfs.common import contract
+from rankfs.common.disk import block_queue, joined_pages
+from rankfs.plan.checkpoint import Checkpoint
+from rankfs.plan.layout import plan_ranks
 from rankfs.plan.profiles import BY_NAME
+from rankfs.plan.spec import RankSpec
 
 RANKFS_RUN = [sys.executable, "-m", "rankfs.mount.cli", "run", "--"]
-
-
-def child(mode: str, directory: str, counts_from: str, layout: dict, device: str) -> dict:
-    import gc
-
-    import torch
-
-    from dev.bench.engine_like import MoELayout, load
-    from rankfs.loader import memory
-    torch.empty(1, device=device)  # the CUDA context belongs to the baseline
-    baseline = memory.snapshot()
-    if mode == "hook":
-        import rankfs.loader as loader
-        loader.activate("on")
-    profile = BY_NAME["deepseek-v4"]
-    config = json.loads((Path(counts_from) / "config.json").read_text())
-    began = time.monotonic()
-    params = load(directory, profile, MoELayout(**layout), counts=expert_counts(shard_files(counts_from), profile),
-                  keep=lambda n: not profile.is_draft(n, config), device=device)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    seconds = time.monotonic() - began
-    out = {"mode": mode, "seconds": seconds, "params": len(params),
-           "bytes": sum(p.numel() * p.element_size() for p in params.values())}
-    if mode == "hook":
-        import rankfs.loader as loader
-        figures = loader.release("target")
-        out["release"] = {k: figures[k] for k in (
-            "pinned", "staged_on", "slabs", "windows", "slab_requests", "peak_slab_bytes", "peak_host_bytes",
-            "peak_device_bytes", "slabs_alive", "torch_host_allocs", "nontorch_since_load_start")}
-    else:  # what an engine does after a stock load
-        gc.collect()
-        memory.malloc_trim()
-        memory.return_pinned_and_cached()
-    after = memory.snapshot()
-    reserved = after["cuda_reserved"] - baseline["cuda_reserved"]
-    out.update(rss_growth=after["rss"] - baseline["rss"],
-               mem_available_lost=baseline["memavailable"] - after["memavailable"],
-               cuda_reserved_growth=reserved, cached_growth=after["cached"] - baseline["cached"])
-    out["digests"] = {name: digest(p) for name, p in sorted(params.items())}
-    return out
 
 
 def _layout(tp_size: int, tp_rank: int, ep_size: int) -> dict:
@@ -81,52 +45,123 @@ def _layout(tp_size: int, tp_rank: int, ep_size: int) -> dict:
     return {"moe_tp_size": moe_tp, "moe_tp_rank": tp_rank % moe_tp, "ep_size": ep_size, "ep_rank": tp_rank // moe_tp}
 
 
-def _child_command(args, rank: int, mode: str, directory: str, device: str) -> list[str]:
-    return [sys.executable, "-m", "dev.bench.gpu_load", args.checkpoint, args.mountpoint, "--tp-size", str(args.tp_size),
-            "--tp-rank", str(rank), "--ep-size", str(args.ep_size), "--device", device,
-            "--_child", mode, directory, "x"]
-
-
-def _finish(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate()
-    if proc.returncode:
-        raise RuntimeError(err[-3000:])
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def _prepare_sources(args):
+    """The checkpoint in the page cache (--warm), or out of it: its pages only, so that what the
+    loads read from the disk is the checkpoint, not the libraries they import."""
     if args.warm:
         warm(shard_files(args.checkpoint))
     else:
-        drop_caches()
+        uncache(shard_files(args.checkpoint))
+
+
+def _union_bytes(spans) -> int:
+    """Bytes of (source, begin, end) spans, each page counted once."""
+    by_source: dict[int, list] = {}
+    for source, begin, end in spans:
+        by_source.setdefault(source, []).append((begin, end))
+    return sum(end - begin for pieces in by_source.values() for begin, end in joined_pages(pieces))
+
+
+def _rank_plans(args, ranks: list[int]) -> dict[int, dict]:
+    """Per rank: its target's source reads (source, begin, end) and tensor names (row stores left out)."""
+    specs = [RankSpec(args.tp_size, rank, args.ep_size) for rank in ranks]
+    plans = {}
+    for layout in plan_ranks(Checkpoint.open(args.checkpoint), specs):
+        target = layout.view("target")
+        plans[layout.spec.tp_rank] = {
+            "reads": [(f.source, b, e) for f in target.files for b, e in f.source_reads()],
+            "names": [n for f in target.files for n in f.tensor_names if not BY_NAME["deepseek-v4"].is_on_demand(n)]}
+    return plans
+
+
+def _load_args(args, rank: int, directory, source: str, names: list[str], **extra) -> dict:
+    return {"directory": str(directory), "counts_from": args.checkpoint, "device": args.device, "source": source,
+            "names": names, "layout": _layout(args.tp_size, rank, args.ep_size), **extra}
+
+
+def _run_ranks(loads: list[tuple[int, dict]], device: str) -> list[dict]:
+    """One load per rank, all started at once, each in a process of its own (dev.bench.paths), as
+    the engine's ranks start together on one host."""
+    gpus = 1
+    if device == "cuda":
+        import torch
+        gpus = max(1, torch.cuda.device_count())
+    procs = []
+    for i, (rank, load) in enumerate(loads):
+        load = dict(load, device=f"cuda:{i % gpus}" if device == "cuda" else device)
+        proc = subprocess.Popen([sys.executable, "-m", "dev.bench.paths", "load"], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "RANKFS_RANK": str(rank)})
+        proc.stdin.write(json.dumps(load))
+        proc.stdin.close()
+        procs.append(proc)
+    results = []
+    for proc in procs:
+        out, err = proc.stdout.read(), proc.stderr.read()
+        if proc.wait():
+            raise RuntimeError(err[-3000:])
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 def load_like(args) -> int:
-    """The engine-like loader, stock against the hook, one process per rank."""
+    """The engine-like loader, one process per rank, all at once: stock, InstantTensor (the rank's
+    tensors; on CUDA) and the hook; each rank checked bitwise against its stock load, and the bytes
+    the ranks read from the disk against the union and the sum of their plans."""
     ranks = [int(r) for r in args.local_ranks.split(",")] if args.local_ranks else [args.tp_rank]
-    devices = [f"cuda:{i}" if args.device == "cuda" and len(ranks) > 1 else args.device for i in range(len(ranks))]
+    plans = _rank_plans(args, ranks)
+    union = _union_bytes(span for plan in plans.values() for span in plan["reads"])
+    total = sum(_union_bytes(plan["reads"]) for plan in plans.values())
     rank_flags = ["--local-ranks", args.local_ranks] if args.local_ranks else ["--tp-rank", args.tp_rank]
-    results = {}
+    modes = [("stock", "stock", {}), ("hook", "stock", {"hook": True})]
+    if args.device == "cuda":
+        modes.insert(1, ("instanttensor", "instanttensor", {"filtered": True}))
+    same = True
     with mounted(args.checkpoint, args.mountpoint, "--tp-size", args.tp_size, "--ep-size", args.ep_size,
                  *rank_flags) as mnt:
-        # With several local ranks every rank is started with the same shared view, as an engine is.
-        for mode, directory in (("stock", args.checkpoint), ("hook", str(mnt / "target"))):
+        stock = {}
+        for mode, source, extra in modes:
+            # With several local ranks every rank is started with the same shared view, as an engine is.
+            directory = mnt / "target" if extra.get("hook") else args.checkpoint
             _prepare_sources(args)
-            procs = [subprocess.Popen(_child_command(args, rank, mode, directory, device), cwd=ROOT, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      env={**os.environ, "RANKFS_RANK": str(rank)})
-                     for rank, device in zip(ranks, devices)]
-            results[mode] = [_finish(proc) for proc in procs]
-    same = True
-    for rank, stock, hook in zip(ranks, results["stock"], results["hook"]):
-        equal = stock["digests"] == hook["digests"]
-        same &= equal
-        for r in (stock, hook):
-            r["params"] = len(r.pop("digests"))
-            print(json.dumps({"rank": rank, **r}))
-        print(f"rank {rank}: bitwise equal in {args.device} memory: {equal} ({stock['params']} parameters, "
-              f"{stock['bytes'] / 1e9:.2f} GB)")
+            daemon = contract.read_status(str(mnt))["pid"]
+            disk_before, daemon_before = _disk_read_bytes(args.checkpoint), disk_read_bytes(daemon)
+            results = _run_ranks([(rank, _load_args(args, rank, directory, source, plans[rank]["names"], **extra))
+                                  for rank in ranks], args.device)
+            disk = _disk_read_bytes(args.checkpoint) - disk_before
+            read = sum(r["disk_read_bytes"] for r in results) + disk_read_bytes(daemon) - daemon_before
+            began = min(r["started"] for r in results)
+            wall = max(r["started"] + r["seconds"] for r in results) - began
+            for rank, r in zip(ranks, results):
+                stock.setdefault(rank, r["weights_sha256"])
+                equal = r["weights_sha256"] == stock[rank]
+                same &= equal
+                print(json.dumps({"mode": mode, "rank": rank, "seconds": round(r["seconds"], 3),
+                                  "bitwise": equal, "gb": round(r["bytes"] / 1e9, 3),
+                                  "disk_read_gb": round(r["disk_read_bytes"] / 1e9, 3),
+                                  "release": r.get("release")}))
+            print(json.dumps({"mode": mode, "ranks": ranks, "seconds": round(wall, 3),
+                              "union_gb": round(union / 1e9, 3), "sum_gb": round(total / 1e9, 3),
+                              "aggregate_gb_per_s": round(union / wall / 1e9, 2),
+                              "read_by_processes_gb": round(read / 1e9, 3), "read_x_union": round(read / union, 2),
+                              "disk_read_gb": disk and round(disk / 1e9, 3),
+                              "page_cache_left_gb": round(cached_bytes(shard_files(args.checkpoint)) / 1e9, 3)}))
+    print(f"every rank bitwise equal to its stock load: {same}")
     return 0 if same else 1
+
+
+def _disk_read_bytes(path) -> int:
+    """Bytes read from the block device under `path` so far (/proc/diskstats; 0 off block devices)."""
+    queue = block_queue(path)
+    if queue is None:
+        return 0
+    name = queue.parent.name
+    with open("/proc/diskstats") as f:
+        for line in f:
+            fields = line.split()
+            if fields[2] == name:
+                return int(fields[5]) * 512
+    return 0
 
 
 def _drive(engine: str, jobs: list[dict], runner: list[str], env: dict) -> tuple[list[dict], str]:
@@ -198,20 +233,15 @@ def main(argv=None) -> int:
     p.add_argument("--tp-size", type=int, default=4)
     p.add_argument("--tp-rank", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
-    p.add_argument("--local-ranks", help="several ranks at once through one mount (e.g. 0,1), one GPU each")
+    p.add_argument("--local-ranks", help="several ranks at once through one mount (e.g. 0,1,2,3), started together, "
+                                         "spread over the GPUs there are")
     p.add_argument("--device", default="cuda")
     p.add_argument("--warm", action="store_true", help="start each load with the sources in page cache")
     p.add_argument("--hook-env", default="", metavar="VARIANTS",
                    help="--engine sglang|vllm: the views' loads once per variant ('A=1,B=2;A=3', an empty one "
                         "for the defaults; default: the defaults only)")
-    p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.checkpoint = os.path.abspath(args.checkpoint)
-    if args._child:
-        mode, directory, _ = args._child
-        print(json.dumps(child(mode, directory, args.checkpoint, _layout(args.tp_size, args.tp_rank, args.ep_size),
-                               args.device)))
-        return 0
     return load_like(args) if args.engine == "like" else load_engine(args)
 
 

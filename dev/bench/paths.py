@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dev.bench import sources
 from dev.bench.engine_like import (MoELayout, Progress, allocate, copy_weights, expert_counts, shard_files,
                                    weights_digest)
-from dev.memstate import cpu_seconds, vm_hwm
+from dev.memstate import cpu_seconds, disk_read_bytes, vm_hwm
 from rankfs.plan.profiles import BY_NAME
 from rankfs.common.disk import anonymous_map
 
@@ -30,7 +30,7 @@ def _timed(work, progress: Progress) -> dict:
     """Runs `work` and times it; whatever it returns is freed after the clock stops (an engine keeps
     its weights: their freeing is no part of a load)."""
     samples, done = [], threading.Event()
-    began, cpu = time.monotonic(), cpu_seconds()
+    began, cpu, disk = time.monotonic(), cpu_seconds(), disk_read_bytes()
 
     def sample():
         while not done.wait(0.02):
@@ -38,13 +38,13 @@ def _timed(work, progress: Progress) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     kept = work()
-    seconds, cpu = time.monotonic() - began, cpu_seconds() - cpu
+    seconds, cpu, disk = time.monotonic() - began, cpu_seconds() - cpu, disk_read_bytes() - disk
     done.set()
     sampler.join()
     samples.append((round(seconds, 3), progress.bytes))
     del kept
     return {"seconds": seconds, "started": began, "bytes": progress.bytes, "timeline": samples, "peak_rss": vm_hwm(),
-            "cpu_seconds": cpu, "waited": progress.waited, "copying": progress.copying}
+            "cpu_seconds": cpu, "disk_read_bytes": disk, "waited": progress.waited, "copying": progress.copying}
 
 
 def _weights(args: dict):
