@@ -131,10 +131,9 @@ def _covering(copies: list[Copy]) -> dict[OpenFile, tuple[int, int]]:
 def cached_jobs(copies: list[Copy], landing, trace) -> list:
     """Copies out of the page cache in slab order, as jobs of a landing's piece of the slab at most
     (RUN_BYTES in a host slab). One larger alone is a job of its own read. Into a host slab they
-    are copied out of maps; where a bounce buffer takes them they are read (pread): a block of
-    rows moved at 26-34 GB/s against 11-14 out of maps from 8 threads on the H200 host, which a
-    map's page faults and unmapping cost. Their reads do not ask the page cache again
-    (`Copy.read_as`)."""
+    are copied out of maps; where a bounce buffer takes them they are read (pread), which moves a
+    block of rows faster than a map's page faults and unmapping do. Their reads do not ask the
+    page cache again (`Copy.read_as`)."""
     cap = landing.piece or RUN_BYTES
     jobs, job = [], []
 
@@ -157,11 +156,9 @@ def cached_jobs(copies: list[Copy], landing, trace) -> list:
 def _copy_out_of_cache(copies: list[Copy], landing):
     """Copies whose sources the page cache holds (`all_cached`), made out of one map of each source
     into one place of the slab, those alike at constant steps in a single numpy call each
-    (`_strided`). Read one by one, a sliced expert was six reads of its own, each taking the GIL
-    back a few times: a warm EP1 sliced load's read threads ran 31-38 % of their jobs' time on the
-    H200 host, waiting the rest. Only the pages the copies read are mapped in: mapping in a job's
-    whole span, the other ranks' rows too, cost a warm sliced load on the 2-core VM 4.9-7.5 CPU
-    seconds against 3.7-4.7. Where a source cannot be mapped, each copy is read instead."""
+    (`_strided`): read one by one, a sliced expert is six reads of its own, each taking the GIL
+    back a few times. Only the pages the copies read are mapped in, not the other ranks' rows
+    between them. Where a source cannot be mapped, each copy is read instead."""
     maps: dict[OpenFile, tuple[int, memoryview]] = {}
     try:
         for source, (begin, end) in _covering(copies).items():
@@ -213,8 +210,8 @@ def _copy_strided(rows: Rows, count: int, step: int, slab_step: int, source: mem
     """The rank's columns of `rows` (a block: one row kept whole) from source[at:], their first
     row's first byte, packed into target[target_at:]; `count` times, `step` bytes apart in the
     source and `slab_step` in the target. In the widest unit that every address, step and length
-    divides: eight-byte elements copy columns 2.5x as fast as bytes on the H200 host. numpy
-    checks that every element lies within both buffers."""
+    divides: eight-byte elements copy columns several times as fast as bytes. numpy checks that
+    every element lies within both buffers."""
     kept = rows.keep_stop - rows.keep_start
     source_bytes, target_bytes = np.frombuffer(source, np.uint8), np.frombuffer(target, np.uint8)
     at += rows.keep_start
@@ -237,19 +234,19 @@ def _rows_buffer(nbytes: int) -> memoryview:
 
 def read_run(run: Run, landing: HostLanding | DeviceLanding, cached: bool = False):
     """A run into its place in the slab, a landing's piece at a time (`cached`: OpenFile.read_into)."""
-    where = f"{run.source.path}: tensor {run.first!r}"
     piece = landing.piece or run.length
     for begin in range(0, run.length, piece):
         nbytes = min(piece, run.length - begin)
         spot = landing.place(run.at + begin, nbytes)
-        run.source.read_whole(spot.buffer, spot.at, run.offset + begin, nbytes, where, cached)
+        offset = run.offset + begin
+        where = f"{run.source.path}: tensor {run.tensors_at(offset, offset + nbytes)}"
+        run.source.read_whole(spot.buffer, spot.at, offset, nbytes, where, cached)
 
 
 def _copy_cached_rows(source: OpenFile, begin: int, rows: Rows, spot: Spot, cached: bool) -> bool:
     """Rows the page cache holds (`cached`: known to): the rank's columns copied straight out of
     the source's pages, mapped, to `spot`; whether it could. A read of whole rows would move every
-    row's bytes twice for a quarter of them kept (TP4): a warm sliced load's read threads spent
-    most of their time in reads from the page cache, at 1.4 GB/s a thread on the H200 host."""
+    row's bytes twice for a quarter of them kept (TP4)."""
     nbytes = rows.count * rows.row_bytes
     if not (cached or source.cached(begin, begin + nbytes)):
         return False  # read from the disk (direct), not faulted into the page cache

@@ -21,8 +21,10 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from rankfs.loader.context import MappingContext
 from rankfs.loader.files import RankfsFile
-from rankfs.common.disk import inner_pages, madvise, merge_adjacent, willneed_pieces
+from rankfs.common.disk import (CACHED_SHORT_BYTES, MADV_POPULATE_READ, covering_pages, inner_pages, madvise,
+                                merge_adjacent, willneed_pieces)
 
 log = logging.getLogger("rankfs.hook")
 
@@ -30,8 +32,9 @@ UNMAP_BATCH_BYTES = 64 << 20
 
 
 class MappedFile(RankfsFile):
-    def __init__(self, path: str, hook, placement: dict):
-        super().__init__(path, hook, placement)
+    def __init__(self, path: str, context: MappingContext, placement: dict):
+        super().__init__(path, context.file, placement)
+        self._load_context = context
         # Per group: bytes of tensors the loader may still read, which its read-ahead reserves.
         self._unfreed = [sum(self.span(n)[1] for n in group) for group in self.groups]
         self._freed: set[str] = set()
@@ -41,7 +44,7 @@ class MappedFile(RankfsFile):
         self._let_go_bytes = 0
         self._reserved: set[int] = set()  # groups whose read-ahead holds their unfreed bytes
         self._lock = threading.Lock()
-        self._futures: list[Future] = [hook.map_executor.submit((path, g), self._read_ahead, g, self._unfreed[g],
+        self._futures: list[Future] = [context.executor.submit((path, g), self._read_ahead, g, self._unfreed[g],
                                                                 cost=self._unfreed[g])
                                        for g in range(len(self.groups))]
 
@@ -50,7 +53,8 @@ class MappedFile(RankfsFile):
         offset, nbytes = self.span(name)
         path = self._placement[name][0].path
         if path not in self._maps:  # kept here: the tensors may outlive the hook's release
-            self._maps[path] = np.frombuffer(self._hook.source_map(path), np.uint8)
+            self._maps[path] = np.frombuffer(self._files.source_map(path), np.uint8)
+        self._readable(name, path, offset, nbytes)
         base = self._maps[path][offset:offset + nbytes]  # an array of its own: its death is the tensor's
         weakref.finalize(base, self._freed_by_loader, name, group, path, offset, nbytes).atexit = False
         with self._lock:
@@ -61,13 +65,27 @@ class MappedFile(RankfsFile):
             return tensor.reshape(self._entries[name].shape).narrow(slc.dim, slc.start, slc.stop - slc.start)
         return tensor.reshape(self.resident_shape(name))
 
+    def _readable(self, name: str, path: str, offset: int, nbytes: int):
+        """A page of a map that the disk cannot give is a SIGBUS in whichever thread touches it: a
+        tensor's pages are mapped in here (MADV_POPULATE_READ: the read-ahead's, in flight, waited
+        for; those it could not read, read again), so that a failing source is an error naming the
+        file and tensor. The page cache's own count cannot tell: a page whose read failed stays in
+        it, not up to date."""
+        start, stop = covering_pages(offset, offset + nbytes)
+        try:
+            madvise(self._maps[path].ctypes.data + start, stop - start, MADV_POPULATE_READ,
+                    holding_gil=stop - start <= CACHED_SHORT_BYTES)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{path}: tensor {name!r}: reading bytes {offset}-{offset + nbytes} "
+                                     f"failed: {exc.strerror}") from None
+
     def close(self):
         for future in self._futures:
             future.cancel()
         with self._lock:
             reserved, self._reserved = self._reserved, set()
             unfreed = sum(self._unfreed[group] for group in reserved)
-        self._hook.budget.release(unfreed)
+        self._load_context.budget.release(unfreed)
         super().close()
 
     # -- read-ahead -----------------------------------------------------------------------------
@@ -80,16 +98,16 @@ class MappedFile(RankfsFile):
             unfreed = self._unfreed[group]  # the loader may have let some go since
             if unfreed:
                 self._reserved.add(group)
-        self._hook.budget.release(reserved - unfreed)
+        self._load_context.budget.release(reserved - unfreed)
         if not unfreed:
             return
         names = [n for n in self.groups[group] if n not in self._freed]
         spans = merge_adjacent(((self._placement[n][0].fd, self._placement[n][0].path), offset, offset + nbytes)
                                for n in names for offset, nbytes in [self.span(n)])
         pieces = [(fd, piece, size) for (fd, path), begin, end in spans
-                  for piece, size in willneed_pieces(begin, end - begin, self._hook.link.willneed_reach[path])]
+                  for piece, size in willneed_pieces(begin, end - begin, self._files.link.willneed_reach[path])]
         for i, piece in enumerate(pieces):
-            self._hook.map_executor.submit((self.path, group, i), self._read_piece, *piece)
+            self._load_context.executor.submit((self.path, group, i), self._read_piece, *piece)
 
     def _read_piece(self, fd: int, offset: int, length: int):
         if self._view.fd < 0:  # closed: the loader took what it wanted
@@ -115,7 +133,7 @@ class MappedFile(RankfsFile):
             reserved = first and group in self._reserved
         self._unmap(path, offset, nbytes)
         if reserved:
-            self._hook.budget.release(nbytes)
+            self._load_context.budget.release(nbytes)
         if first:
             self.count_loaded(nbytes)
 

@@ -5,6 +5,7 @@ of runs that share or touch pages, as the whole pages a window maps (rankfs.load
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 from rankfs.common.disk import PAGE, OpenFile, align_down, align_up, covering_pages
@@ -14,23 +15,25 @@ RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small e
 
 class Run(NamedTuple):
     """Bytes adjacent in one file, read together into a slab at `at` (congruent to `offset`
-    modulo PAGE), or mapped as a window; `names` are its tensors, the first for messages."""
+    modulo PAGE), or mapped as a window; `names` are its tensors, each starting at its `starts`."""
     source: OpenFile
     offset: int
     length: int
     at: int
     names: tuple[str, ...]
+    starts: tuple[int, ...]
 
-    @property
-    def first(self) -> str:
-        return self.names[0]
+    def tensors_at(self, begin: int, end: int) -> str:
+        """Its tensors with bytes in [begin, end) of the file, for messages: 'a', 'b'."""
+        first = max(0, bisect.bisect_right(self.starts, begin) - 1)
+        last = max(bisect.bisect_left(self.starts, end), first + 1)
+        return ", ".join(repr(name) for name in self.names[first:last])
 
     def pieces(self, nbytes: int = RUN_BYTES) -> list["Run"]:
         """The run as reads of nbytes at most, cut at pages of the file (a direct read of one
-        piece fills none of the next one's pages). One thread read a tensor larger than a read
-        alone, and its group, and the loader, waited for it: a 160 MiB embedding on the 2-core
-        VM took 0.15 s against 0.03-0.07 s for each read of 16 MiB beside it (DeepSeek V3's
-        embedding is 1.85 GB)."""
+        piece fills none of the next one's pages), so that a tensor larger than a read (DeepSeek
+        V3's embedding is 1.85 GB) is read by every free thread, not one that its group and the
+        loader wait for."""
         end = self.offset + self.length
         cuts = [self.offset, *range(align_down(self.offset) + nbytes, end, nbytes), end]
         return [self._replace(offset=a, length=b - a, at=self.at + a - self.offset) for a, b in zip(cuts, cuts[1:])]
@@ -83,7 +86,8 @@ def lay_out(blocks: list[tuple[str, OpenFile, int, int]], rows: list[tuple[str, 
         if current:
             source, begin, end, members = current
             at = align_up(pos) + begin % PAGE
-            runs.append(Run(source, begin, end - begin, at, tuple(name for name, _ in members)))
+            runs.append(Run(source, begin, end - begin, at, tuple(name for name, _ in members),
+                            tuple(offset for _, offset in members)))
             offsets.update((name, at + offset - begin) for name, offset in members)
             pos = at + end - begin
             current = []

@@ -6,7 +6,7 @@ A slab's buffer is a `HostBuffer`, an anonymous map in huge pages filled by the 
 `FileWindow`, pages of a source the page cache already holds, mapped in place (nothing read,
 nothing copied: the GPU copies straight from the page cache); either is page-locked with
 cudaHostRegister once it holds its bytes. The same pool keeps the GPU buffers that groups are
-uploaded to (rankfs.loader.device). A slab lives as long as some tensor views it: torch holds
+uploaded to (rankfs.loader.device_slabs). A slab lives as long as some tensor views it: torch holds
 the memoryview a slab's tensor was made from until the last view dies, and that memoryview's
 finalizer releases the slab's budget and keeps a host buffer for the next slab (the first use of
 fresh memory, faulting and page-locking it, costs several times a read from the page cache); a
@@ -25,25 +25,12 @@ from typing import Callable, Protocol
 
 import torch
 
+from rankfs.loader import cuda
 from rankfs.loader.budget import Budget
 from rankfs.common.disk import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, OpenFile, anonymous_map, madvise,
                               map_pages, unmap_pages)
 
 log = logging.getLogger("rankfs.hook")
-
-CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the only way to page-lock a read-only map
-
-
-def _page_lock(address: int, nbytes: int, flags: int = 0):
-    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, flags)
-    if int(error) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {error}")
-
-
-def _page_unlock(address: int | None):
-    if address is not None:
-        torch.cuda.cudart().cudaHostUnregister(address)
-
 
 def host_view(memory: memoryview, died: Callable[[], None]) -> torch.Tensor:
     """A uint8 tensor over host memory; died() runs when torch lets go of the memoryview, with the
@@ -80,14 +67,14 @@ class HostBuffer:
         if self.pinned_at is not None:
             return
         address = self._address()
-        _page_lock(address, len(self.map))
+        cuda.page_lock(address, len(self.map))
         self.pinned_at = address
 
     def __len__(self) -> int:
         return len(self.map)
 
     def close(self):
-        _page_unlock(self.pinned_at)
+        cuda.page_unlock(self.pinned_at)
         self.pinned_at = None
         self.map.close()
 
@@ -110,7 +97,7 @@ class FileWindow:
 
     def pin(self):
         if self.pinned_at is None:
-            _page_lock(self.address, self.nbytes, CUDA_HOST_REGISTER_READ_ONLY)
+            cuda.page_lock(self.address, self.nbytes, cuda.HOST_REGISTER_READ_ONLY)
             self.pinned_at = self.address
 
     def populate(self):
@@ -127,7 +114,7 @@ class FileWindow:
     def close(self):
         if self.address is None:
             return
-        _page_unlock(self.pinned_at)
+        cuda.page_unlock(self.pinned_at)
         self.pinned_at = None
         unmap_pages(self.address, self.nbytes)
         self.address = None
@@ -135,7 +122,7 @@ class FileWindow:
 
 class Buffer(Protocol):
     """What a slab's memory is: a HostBuffer, a FileWindow, or a buffer in GPU memory
-    (rankfs.loader.device)."""
+    (rankfs.loader.device_slabs)."""
     reusable: bool
     pinned_at: int | None
 
@@ -252,9 +239,17 @@ class SlabPool:
         return Slab(buffer.view(nbytes, died), size, buffer)
 
     def filled(self, slab: Slab):
-        """A slab's reads are done: page-lock it for DMA when the pool pins."""
-        if self.pin:
+        """A slab's reads are done: page-lock it for DMA when the pool pins. Where the kernel or the
+        driver refuses (RLIMIT_MEMLOCK, the driver's own limit), the slabs stay pageable from then
+        on: copies from them are slower, not wrong, and the load goes on."""
+        if not self.pin:
+            return
+        try:
             slab.buffer.pin()
+        except RuntimeError as exc:
+            self.pin = False
+            log.warning("rankfs hook: slabs cannot be page-locked (%s); they stay pageable: slower copies "
+                        "to the GPU (raise RLIMIT_MEMLOCK, e.g. docker --ulimit memlock=-1)", exc)
 
     def _died(self, slab_id: int, buffer: Buffer, reserved: int):
         """The last tensor viewing a slab is gone (any thread, often one of the loader's): its
@@ -281,6 +276,12 @@ class SlabPool:
                 if nbytes <= len(buffer) <= nbytes + nbytes // 4 + PAGE:
                     return self._idle.pop(i)
         return None
+
+    @property
+    def idle(self) -> tuple[Buffer, ...]:
+        """The buffers of dead slabs kept for the next ones."""
+        with self._lock:
+            return tuple(self._idle)
 
     def drop_idle(self):
         """Unpin and unmap the buffers kept for reuse (after the load)."""

@@ -103,7 +103,8 @@ def parser():
     g = q.add_argument_group("serving")
     g.add_argument("--inflight-gb", type=_gib, metavar="GIB",
                    help="memory the daemon may hold for read-ahead, in GiB (default: 4, or an eighth "
-                        "of the available memory when that is under 32 GiB, at least 0.25)")
+                        "of the memory this process may use when that is under 32 GiB, at least 0.25: the host's "
+                        "available memory, or its cgroup's limit less what it uses; more than that is refused)")
     g.add_argument("--workers", type=_count, default=8, metavar="N",
                    help="threads reading the sources ahead, N x 8 MiB in flight at most, and as many "
                         "for reads a loader waits on (default: 8)")
@@ -198,16 +199,19 @@ def _int_list(text: str) -> list[int]:
 
 
 def cmd_mount(args) -> int:
-    import psutil
-
+    from rankfs.common import limits
     from rankfs.mount.config import MountConfig, default_budget_bytes
     from rankfs.mount.launch import default_log, mount
     mountpoint = os.path.abspath(args.mountpoint)
     options = [o for opts in args.options for o in opts.split(",") if o]
     allow_other = args.allow_other or "allow_other" in options
     log_file = args.log or (None if args.foreground else str(default_log(mountpoint)))
-    budget = int(args.inflight_gb * GIB) if args.inflight_gb else default_budget_bytes(
-        psutil.virtual_memory().available)
+    available = limits.available_memory()
+    budget = int(args.inflight_gb * GIB) if args.inflight_gb else default_budget_bytes(available)
+    if budget > available:
+        raise UsageError(f"--inflight-gb {args.inflight_gb:g} is more than the {available / GIB:.2f} GiB this "
+                         "process may still use (its cgroup's memory limit less what it uses, or the host's "
+                         "available memory); give less, or leave it out to size it from that")
     config = MountConfig(
         checkpoint=os.path.abspath(args.checkpoint), mountpoint=mountpoint, specs=_specs(args),
         budget_bytes=budget, profile=args.profile, workers=args.workers, direct_io=args.direct_io,

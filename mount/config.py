@@ -13,7 +13,7 @@ from rankfs.plan.spec import RankSpec
 # The loaders read nine files at once and a pushed chunk counts until its first page is read: a
 # smaller budget leaves most of a warm load to FUSE requests (figures: docs/benchmark.md).
 DEFAULT_BUDGET_BYTES = 4 * GIB
-SMALL_HOST_BUDGET_BYTES = GIB // 4
+MIN_BUDGET_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -50,5 +50,7 @@ class MountConfig:
 
 
 def default_budget_bytes(available_bytes: int) -> int:
-    """4 GiB, less on a host with under 32 GiB available (an eighth of it, at least 256 MiB)."""
-    return int(min(DEFAULT_BUDGET_BYTES, max(SMALL_HOST_BUDGET_BYTES, available_bytes // 8)))
+    """4 GiB, less where under 32 GiB is available to the process (an eighth of it, at least
+    64 MiB): `available_bytes` is rankfs.common.limits.available_memory, its cgroup's room. The
+    rest is the loader's, and the page cache the view is read through."""
+    return int(min(DEFAULT_BUDGET_BYTES, max(MIN_BUDGET_BYTES, available_bytes // 8)))

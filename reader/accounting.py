@@ -14,10 +14,23 @@ class Budget:
     chunks the daemon holds (--inflight-gb), and the read-ahead's reads in flight."""
 
     def __init__(self, limit: int):
-        self.limit = limit
+        self.ceiling = limit  # as configured
+        self.limit = limit  # now: paced down from the ceiling where what it held was lost (`shrink`)
         self.used = 0
         self.peak = 0
         self._room = trio.Event()
+
+    def shrink(self, floor: int):
+        """Halve the limit, to `floor` at least: what the budget held was lost before it was used
+        (pushed pages the kernel evicted under memory pressure, a cgroup's limit)."""
+        self.limit = max(floor, min(self.limit, self.ceiling) // 2)
+
+    def grow(self, nbytes: int):
+        """What the budget held was used: the limit grows back towards the ceiling by that much."""
+        if self.limit < self.ceiling:
+            self.limit = min(self.ceiling, self.limit + nbytes)
+            self._room.set()
+            self._room = trio.Event()
 
     def reserve(self, nbytes: int):
         self.used += nbytes

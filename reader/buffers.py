@@ -34,13 +34,14 @@ class BufferPool:
     """Anonymous maps for chunks read into memory, reused: a fresh map costs a page fault per 4 KiB,
     which cuts the read rate to a third. Sizes come in classes a quarter octave apart, so that a
     chunk of any size finds an idle buffer at most a quarter larger than it needs; the budget counts
-    class sizes. Idle buffers are kept while they and the memory in use fit in the budget plus
-    IDLE_SLACK, which bounds the daemon's memory."""
+    class sizes. Idle buffers are kept while they and the memory in use fit in the budget's limit
+    plus IDLE_SLACK, which bounds the daemon's memory (the buffers are shared memory, which only
+    swap could reclaim)."""
 
     IDLE_SLACK = 64 << 20
 
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
+    def __init__(self, budget):
+        self.budget = budget  # the engine's (rankfs.reader.accounting.Budget): idle buffers fit beside its use
         self.idle: list[mmap.mmap] = []
         self.created = 0
 
@@ -60,19 +61,20 @@ class BufferPool:
     def new(self, nbytes: int) -> mmap.mmap:
         """A new buffer (in a worker thread: its pages fault in during the read, without the GIL;
         with MAP_POPULATE CPython would fault them in holding it). Shared memory, not the hook's
-        private huge pages (rankfs.common.disk.anonymous_map): with those the daemon's RSS doubled
-        and the view got no faster (docs/benchmark.md, twenty-eighth session)."""
+        private huge pages (rankfs.common.disk.anonymous_map): those double the daemon's RSS for
+        no faster view."""
         self.created += 1
         return mmap.mmap(-1, self.size_class(nbytes))
 
-    def give_back(self, buffer: mmap.mmap, used_bytes: int):
+    def give_back(self, buffer: mmap.mmap):
         """A buffer no one uses any more: kept for reuse while it fits."""
         self.idle.append(buffer)
-        self.fit(used_bytes)
+        self.fit()
 
-    def fit(self, used_bytes: int):
-        """Unmap the oldest idle buffers until the idle ones fit beside `used_bytes`."""
-        room = self.budget + self.IDLE_SLACK - used_bytes
+    def fit(self):
+        """Unmap the oldest idle buffers until the idle ones fit beside what the budget holds, under
+        its limit as paced now."""
+        room = self.budget.limit + self.IDLE_SLACK - self.budget.used
         idle_bytes = sum(len(b) for b in self.idle)
         while self.idle and idle_bytes > room:
             idle_bytes -= len(self.idle.pop(0))

@@ -42,6 +42,8 @@ PUSH_GAP_CHUNKS = 4
 # or skipped) stops counting against the budget once the loader's frontier is this many chunks past it.
 PUSH_LAG_CHUNKS = 32
 MIN_PUSH_BYTES = 64 << 10
+# The read-ahead's budget halves each time the kernel evicts what was handed, down to this many chunks.
+PUSHED_FLOOR_CHUNKS = 1
 # A view is prefetched once it has served this much: a loader, not a look at a header.
 PREFETCH_AFTER_BYTES = 4 * CHUNK_BYTES
 
@@ -85,9 +87,7 @@ class ReadEngine:
 
         A view read before, none of whose files is open, opened by another process once the one
         that read it has exited has a new reader (an engine restarted on the mount, a peer after
-        it): it is read ahead from its start again. Left as it was, the new reader's requests were
-        each answered by a read on demand, none ahead (a mapped 8 GB EP2 view, its pages evicted,
-        read in 11.1 s against 5.3 the first time on the 2-core VM). The same process opening it
+        it): it is read ahead from its start again, not left to reads on demand. The same process opening it
         again is the same reader (loaders that open one file at a time close each before the
         next), and one still running may yet read on (another process looking at a header in
         between must not send the read-ahead back to the start)."""
@@ -153,6 +153,9 @@ class ReadEngine:
                 asked_again = chunk.had_handed(lo, hi)
                 if asked_again and chunk.reads and not chunk.on_demand and not direct:
                     self.stats.evicted_reread_bytes += chunk.length
+                    # Pages handed were evicted before the loader read them (memory pressure: a
+                    # cgroup's limit): read ahead less, so that what is pushed stays cached.
+                    self.budget.shrink(floor=PUSHED_FLOOR_CHUNKS * CHUNK_BYTES)
                 self.held.free(chunk)
                 if asked_again:
                     chunk.handed_anew()
@@ -162,7 +165,7 @@ class ReadEngine:
             else:
                 await chunk.loading.wait()
             if chunk.error is not None:
-                raise BackingError(f"{chunk.error} (tensor {chunk.tensor})")
+                raise BackingError(chunk.error)
             # Another reader may have consumed and freed it meanwhile: then read it again.
         chunk.backing.own()
         return chunk.buffer[lo - chunk.start:hi - chunk.start], chunk.backing
@@ -180,9 +183,8 @@ class ReadEngine:
 
     def replying(self, backings: list[Backing]):
         """A reply from these backings is written once the handler returns, before its task yields
-        (pyfuse3 writes it then): they are done with in a task that runs after. `run_sync_soon`
-        did the same through a wake-up socket's write, a system call that let the GIL go: 8 % of
-        the event loop's time in an O_DIRECT pass over a sliced view on the 2-core VM."""
+        (pyfuse3 writes it then): they are done with in a task that runs after, not through
+        `run_sync_soon`, whose wake-up socket's write lets the GIL go on every reply."""
         self._replied_send.send_nowait(backings)
 
     async def _free_replied(self):
@@ -290,6 +292,11 @@ class ReadEngine:
                       - (0 if c.stream_pos < file.reached else PUSH_LAG_CHUNKS)]:
             self.held.let_pass(chunk)
 
+    async def uncache(self, ranges: list[tuple[int, int, int]]):
+        """(source, begin, end) ranges leave the sources' page cache (in a worker thread)."""
+        if ranges:
+            await trio.to_thread.run_sync(self._reader.maps.uncache_all, ranges)
+
     def drop(self):
         """Free every chunk in memory (after a load, or on request). A view read again after a drop
         is prefetched from its start again."""
@@ -380,7 +387,7 @@ class ReadEngine:
             self.stats.errors += 1
             self.budget.release(self.held.cost(chunk))
             if buffer is not None:
-                self.held.pool.give_back(buffer, self.budget.used)
+                self.held.pool.give_back(buffer)
             chunk.error = str(exc)
             log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor,
                       exc_info=not isinstance(exc, OSError))

@@ -29,7 +29,7 @@ PASSED_EDGE_BYTES = 16 << 20
 class Holdings:
     def __init__(self, budget_bytes: int, reader: SourceReader, stats: Stats):
         self.budget = Budget(budget_bytes)
-        self.pool = BufferPool(budget_bytes)
+        self.pool = BufferPool(self.budget)
         self.stats = stats
         self.nursery: trio.Nursery | None = None  # the engine's, for the uncaching task
         self._reader = reader
@@ -51,7 +51,7 @@ class Holdings:
         """Demand reads may not wait for the budget. They may overdraw it by DEMAND_SLACK (they are
         freed once answered); past that the oldest unconsumed chunks are evicted."""
         self.budget.reserve(self.cost(chunk))
-        while self.budget.used > self.budget.limit + DEMAND_SLACK and self.loaded:
+        while self.budget.used > self.budget.ceiling + DEMAND_SLACK and self.loaded:
             self.free(next(iter(self.loaded.values())))
 
     def let_pass(self, chunk: Chunk):
@@ -63,6 +63,7 @@ class Holdings:
         self.loaded.pop(id(chunk), None)
         self.pushed.pop(id(chunk), None)
         self.budget.release(self.cost(chunk))
+        self.budget.grow(self.cost(chunk) // 8)  # its push was used, not evicted: pushes go further again, slowly
         self.passed[id(chunk)] = chunk
         self._passed_bytes += len(chunk.head) + len(chunk.tail)
         while self._passed_bytes > PASSED_EDGE_BYTES:
@@ -93,7 +94,7 @@ class Holdings:
         """The backing of a chunk just read: a pool buffer, or (buffer None) its source's map range."""
         if buffer is None:
             return self.map_range(chunk.source, chunk.source_offset, chunk.source_offset + chunk.length)
-        return Backing(lambda: self.pool.give_back(buffer, self.budget.used))
+        return Backing(lambda: self.pool.give_back(buffer))
 
     def map_range(self, source: int, begin: int, end: int) -> Backing:
         return Backing(functools.partial(self._unmap, source, begin, end), mapped=True)

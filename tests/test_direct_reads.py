@@ -21,7 +21,7 @@ from rankfs.loader.landing import HostLanding
 from rankfs.loader.packing import Run, lay_out
 from rankfs.plan.spec import Rows
 from rankfs.plan.extents import Extent
-from rankfs.reader import io
+from rankfs.common import disk
 from rankfs.reader.chunks import Chunk
 from rankfs.common.disk import PAGE, OpenFile, align_down, align_up, page_cache_holds
 from rankfs.reader.source_reader import SourceReader
@@ -49,7 +49,7 @@ def test_runs_keep_their_place_within_a_page_and_do_not_overlap(source):
     blocks = [("a", opened, 100, 5000), ("b", opened, 5100, 3), ("c", opened, 9000, 70000),  # a+b adjacent
               ("d", opened, 1 << 20, 1 << 20)]
     runs, offsets, size = lay_out(blocks, [("rows", opened, 80000, 12345)])  # rows between c and d
-    assert [(r.offset, r.length, r.first) for r in runs] == [(100, 5003, "a"), (9000, 70000, "c"), (1 << 20, 1 << 20, "d")]
+    assert [(r.offset, r.length, r.names[0]) for r in runs] == [(100, 5003, "a"), (9000, 70000, "c"), (1 << 20, 1 << 20, "d")]
     windows = sorted([(align_down(r.at), align_up(r.at + r.length), r.offset) for r in runs]
                      + [(offsets["rows"], offsets["rows"] + 12345, 80000)])
     assert all(r.at % PAGE == r.offset % PAGE for r in runs)
@@ -155,7 +155,7 @@ def test_both_ways_of_asking_the_page_cache_agree_on_a_partly_cached_file(source
               (20 * PAGE, 20 * PAGE + 1), (12 * PAGE, 21 * PAGE), (SIZE - PAGE, SIZE + PAGE), (5 * PAGE, 5 * PAGE)]
     expected = [True, True, False, False, True, False, False, False]
     assert [opened.resident(b, e) for b, e in ranges] == expected
-    monkeypatch.setattr(io, "_cachestat_works", False)
+    monkeypatch.setattr(disk, "_cachestat_works", False)
     assert [opened.resident(b, e) for b, e in ranges] == expected
 
 
@@ -216,7 +216,7 @@ def test_a_source_cut_short_under_cached_copies_is_read_and_named_not_faulted(so
     for i in range(3):
         offset = SIZE - 300_000 + i * 100_000
         at = align_up(at) + offset % PAGE
-        run = Run(opened, offset, 50_000, at, (f"t{i}",))
+        run = Run(opened, offset, 50_000, at, (f"t{i}",), (offset,))
         copies.append(Copy(opened, offset, 50_000, at, None, functools.partial(read_run, run, landing)))
         at += 50_000
     os.truncate(opened.path, SIZE - 175_000)

@@ -42,6 +42,9 @@ class RankFS(pyfuse3.Operations):
         self.request_bytes = 0
         self.fill_bytes = 0  # of them, bytes outside a rank's slices: read-around, not the loader
 
+    def counters(self) -> dict:
+        return {"requests": self.requests, "request_bytes": self.request_bytes, "fill_bytes": self.fill_bytes}
+
     # -- names and attributes -------------------------------------------------------------------
 
     def _node(self, inode: int) -> Node:
@@ -178,7 +181,8 @@ class RankFS(pyfuse3.Operations):
         except BaseException as exc:  # nothing is replied from what was gathered
             self.engine.replied(owned)
             if isinstance(exc, BackingError):
-                log.error("%s: EIO for bytes %d-%d: %s", content.path, off, end, exc)
+                log.error("%s: EIO for bytes %d-%d (tensor %s): %s", content.path, off, end,
+                          content.tensors_at(off, end), exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             raise
         self.requests += 1

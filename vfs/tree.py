@@ -15,6 +15,7 @@ or source bytes in chunks the read engine loads.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import stat
 import time
@@ -45,9 +46,17 @@ class Content:
     stream: FileStream | None = None  # for virtual shards
     path: str = ""  # in the mount, for messages: "target/model-00001-of-00048.safetensors"
     listing: list[int] = field(default_factory=list)  # pages a safetensors listing reads (`listing_pages`)
+    tensor_starts: list[int] = field(default_factory=list)  # where each tensor starts in the file, for messages
+    tensor_names: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self._starts = [e.offset for e in self.extents]
+
+    def tensors_at(self, offset: int, end: int) -> str:
+        """The tensors with bytes in [offset, end), for messages: 'a', 'b'."""
+        first = max(0, bisect.bisect_right(self.tensor_starts, offset) - 1)
+        last = max(bisect.bisect_left(self.tensor_starts, end), first + 1)
+        return ", ".join(repr(name) for name in self.tensor_names[first:last])
 
     def extents_at(self, offset: int, end: int):
         return overlapping(self.extents, self._starts, offset, end)
@@ -56,8 +65,7 @@ class Content:
 class LazyView:
     """A view's virtual shards, as content. Laid out once the mount is ready, a file at a time
     between requests (`lay_out`), or at once by an open of one of them that comes sooner: a 48-shard
-    view takes a second, which the mount must not wait for, and which the first open of a load
-    waited for (the hook's eight open threads, 0.1-0.25 s on the H200 host at 24 GB)."""
+    view takes a second, which neither the mount nor a load's first opens should wait for."""
 
     def __init__(self, directory: str, view: View, engine: ReadEngine):
         self.directory, self.view, self.engine = directory, view, engine
@@ -94,7 +102,9 @@ class LazyView:
         path = f"{self.directory}/{vfile.name}"
         self.engine.trace.file(inode, path)
         listing = listing_pages(len(vfile.header), [t.offset for t in vfile.tensors])
-        self._built.append((Content(vfile.size, extents, vfile.header, runs, path=path, listing=listing), chunks))
+        content = Content(vfile.size, extents, vfile.header, runs, path=path, listing=listing,
+                          tensor_starts=[t.offset for t in vfile.tensors], tensor_names=[t.name for t in vfile.tensors])
+        self._built.append((content, chunks))
         return True
 
     def _register(self):

@@ -1,0 +1,86 @@
+"""A source shard that fails mid-load: reads of one tensor's bytes give EIO (a small FUSE filesystem
+under the checkpoint, tests/faulty_fs.py). Through the hook, whichever way it reads (maps or slabs),
+the load ends with an error naming the file and the tensor; through the view, readers get EIO and
+the daemon's log names them. No wrong bytes, no hang, and the daemon still serves its other views."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import ROOT, mounted
+from dev.bench.engine_like import shard_files
+from dev.memstate import uncache
+from rankfs.common import contract
+from rankfs.plan.safetensors import read_header
+
+pytestmark = pytest.mark.mount
+
+
+@pytest.fixture
+def failing(tiny_checkpoint, tmp_path):
+    """The checkpoint seen through a filesystem that fails the reads of one attention tensor of its
+    second shard (a tensor every rank loads): (checkpoint, shard name, tensor name)."""
+    shard = shard_files(tiny_checkpoint)[1]
+    header = read_header(shard)
+    tensor = next(name for name in sorted(header.tensors) if ".attn." in name)
+    entry = header.tensors[tensor]
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "faulty_fs.py"), tiny_checkpoint, checkpoint,
+                               os.path.basename(shard), str(header.data_start + entry.begin), str(entry.nbytes)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        yield checkpoint, os.path.basename(shard), tensor
+    finally:
+        subprocess.run(["fusermount3", "-u", str(checkpoint)], check=False)
+        server.wait(timeout=30)
+
+
+def _hash_all(directory) -> None:
+    for path in shard_files(directory):
+        with safe_open(path, framework="pt") as f:
+            for name in sorted(f.keys()):
+                hashlib.sha256(f.get_tensor(name).contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def test_a_failing_source_fails_the_load_through_the_view_by_name(failing, mount_dir):
+    """Readers of the view get EIO for the bytes the source cannot give; a loader that maps the view
+    (safetensors) gets SIGBUS for them, as it would from the original file. The daemon's log names
+    the file and the tensor, and it goes on serving."""
+    checkpoint, shard, tensor = failing
+    log = mount_dir.parent / "rankfs.log"
+    with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--ep-size", 2, log=log):
+        with open(mount_dir / "target" / shard, "rb") as f, pytest.raises(OSError) as info:
+            while f.read(1 << 20):
+                pass
+        assert info.value.errno == errno.EIO
+        mapped = subprocess.run([sys.executable, str(ROOT / "tests" / "hash_loader.py"), mount_dir / "target"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert mapped.returncode == -signal.SIGBUS
+        _hash_all(mount_dir / "draft")  # the daemon still serves the other views
+        assert contract.read_status(str(mount_dir))["errors"] >= 1
+    assert any(shard in line and tensor in line and "EIO" in line for line in log.read_text().splitlines())
+
+
+@pytest.mark.parametrize("maps", ["on", "off"])
+def test_a_failing_source_fails_the_load_through_the_hook_by_name(failing, mount_dir, maps):
+    checkpoint, shard, tensor = failing
+    with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--ep-size", 2):
+        uncache(shard_files(checkpoint))
+        result = subprocess.run(["rankfs", "run", "--", sys.executable, "-X", "faulthandler", str(ROOT / "tests" / "hash_loader.py"),
+                                 mount_dir / "target", "--hook"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "RANKFS_HOOK_MAP": maps})
+        assert result.returncode == 1, result.stderr[-2000:]  # an error, not a signal
+        error = result.stderr.strip().splitlines()[-1]
+        assert error.startswith("OSError") and shard in error and repr(tensor) in error
+        _hash_all(mount_dir / "draft")
