@@ -5,6 +5,7 @@
     python3 -m dev bench [OPTIONS]               the benchmark (python3 -m dev bench --help)
     python3 -m dev gpu-load CKPT MNT [OPTIONS]   a GPU load through the hook, checked bitwise
     python3 -m dev startup-cost [--runs N]       what `rankfs run` costs a process that never loads
+    python3 -m dev reference                     render docs/reference.md from the parser and the settings
 """
 
 from __future__ import annotations
@@ -59,7 +60,13 @@ def startup_cost(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS = {"demo": demo, "fixture": fixture, "bench": bench, "gpu-load": gpu_load, "startup-cost": startup_cost}
+def reference(argv: list[str]) -> int:
+    from dev.reference import main
+    return main(argv)
+
+
+COMMANDS = {"demo": demo, "fixture": fixture, "bench": bench, "gpu-load": gpu_load, "startup-cost": startup_cost,
+            "reference": reference}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:

@@ -117,8 +117,9 @@ def cuda_figures(model: TinyMoE) -> dict | None:
 def main(engine: str, jobs: list[dict]):
     load = sglang() if engine == "sglang" else vllm(sorted({job["directory"] for job in jobs}))
     if os.environ.get("ENGINE_DRIVER_STAGE_ON") == "host":
-        import rankfs.loader.hook
-        rankfs.loader.hook.loading_device = lambda setting: torch.device("cpu")
+        from dev.host_staging import host_staging
+        from rankfs.loader import staging
+        staging.stage_on = host_staging
     for job in jobs:
         device = job.get("device", "cpu")
         uncache(job.get("uncache", []))

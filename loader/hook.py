@@ -14,21 +14,23 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 
-from rankfs.common import contract
-from rankfs.loader import memory, routing
+from rankfs.common import contract, limits
+from rankfs.common.disk import PAGE, align_down
+from rankfs.common.trace import Trace
+from rankfs.loader import memory, staging
 from rankfs.loader.budget import Budget
+from rankfs.loader.context import FileContext, LoadOrder, MappingContext, StagingContext
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
-from rankfs.loader.device import DeviceSlabs, loading_device
+from rankfs.loader.device_slabs import DeviceSlabs
 from rankfs.loader.mapped import MappedFile
 from rankfs.loader.ordered import OrderedExecutor
 from rankfs.loader.settings import HookSettings, rank_override
 from rankfs.loader.slabs import SlabPool
 from rankfs.loader.staged import StagedFile
-from rankfs.common.disk import PAGE, align_down
-from rankfs.common.trace import Trace
 
 log = logging.getLogger("rankfs.hook")
 
@@ -42,30 +44,30 @@ class LeftoverSlabs(RuntimeError):
 
 
 class Hook:
-    def __init__(self, settings: HookSettings, stock_open, load_start: dict | None):
+    def __init__(self, settings: HookSettings, stock_open, load_start: dict | None,
+                 outside_engine_load: Callable[[], bool] = lambda: False):
+        """outside_engine_load(): whether a file is opened where an engine delimits its loads but
+        none is under way (rankfs.loader.routing)."""
         self.settings = settings
         self.mode = settings.mode
         self.stock_open = stock_open
+        self.outside_engine_load = outside_engine_load
         self.load_start = load_start or memory.snapshot()  # of the first load (the target's)
         cuda = torch.cuda.is_available()
-        device = None if settings.map_sources == "on" else loading_device(settings.device)
-        # Maps of the sources instead of slabs (RANKFS_HOOK_MAP): always, never, or, by default,
-        # for loads into host memory (no CUDA) file by file, where the page cache holds them.
-        auto_off = settings.map_sources == "auto" and (cuda or device is not None)
-        self.map_sources = "off" if auto_off else settings.map_sources
-        self.budget = Budget(settings.budget_for(host_slabs=device is None))
-        self.slabs = SlabPool(settings.slab_bytes, self.budget, pin=cuda, wanted=self._slabs_wanted,
-                              retire=self._retire)
-        self.on_device = None if device is None else DeviceSlabs(device, settings.slab_bytes, self.budget,
-                                                                 wanted=self._slabs_wanted, retire=self._retire)
+        stage = None if settings.map_sources == "on" else staging.stage_on(settings.device)
+        self.budget = Budget(settings.budget_for(host_slabs=stage is None, room=limits.available_memory()))
+        slab_bytes = settings.slab_for(self.budget.limit) if stage is None else settings.slab_bytes
+        self.map_sources = self._map_sources(settings.map_sources, cuda or stage is not None, slab_bytes)
+        self.slabs = SlabPool(slab_bytes, self.budget, pin=cuda, wanted=self._slabs_wanted, retire=self._retire)
+        self.on_device = None if stage is None else DeviceSlabs(stage, settings.slab_bytes, self.budget,
+                                                                wanted=self._slabs_wanted, retire=self._retire)
         self.link = DaemonLink()
         self.trace = Trace(settings.trace_file)
+        self.order = LoadOrder(self.wake_readers)
+        self.files = FileContext(self.link, slab_bytes, stock_open, self.source_map)
         self.executor: OrderedExecutor | None = None  # reads into slabs
         self.map_executor: OrderedExecutor | None = None  # reads mapped tensors ahead
         self.paths: set[str] = set()  # rankfs files the current load opened
-        self.opening: list[str] = []  # rankfs files being opened now (a path twice where two threads open it)
-        self.consuming: set = set()  # staged files open with tensors not yet handed out
-        self.holding: set = set()  # staged files with a slab alive
         self.releases: list[dict] = []
         self._source_maps: dict[str, mmap.mmap] = {}
         self._collector_was_on: bool | None = None  # during a load: whether gc was enabled before it
@@ -73,6 +75,17 @@ class Hook:
         if self.mode == "on":
             from rankfs.loader.guard import warm_up
             warm_up()
+
+    def _map_sources(self, setting: str, to_gpu: bool, slab_bytes: int) -> str:
+        """Maps of the sources instead of slabs (RANKFS_HOOK_MAP): always, never, or, by default,
+        for loads into host memory (no CUDA) file by file, where the page cache holds them, and for
+        every file where the budget holds less than two slabs: maps read into the page cache, which
+        the kernel reclaims, not into memory of the process's own that its cgroup would count."""
+        if setting != "auto":
+            return setting
+        if to_gpu:
+            return "off"
+        return "on" if self.budget.limit < 2 * slab_bytes else "auto"
 
     @property
     def load_views(self) -> set[str]:
@@ -91,14 +104,11 @@ class Hook:
             self.paths.add(path)
         if self.mode == "observe":
             return self.stock_open(path, framework=framework, device=device)
-        with self._lock:
-            self.opening.append(path)
+        self.order.begin_open(path)
         try:
             opened = self._open(path)
         finally:
-            with self._lock:
-                self.opening.remove(path)
-            self.wake_readers()
+            self.order.end_open(path)
         self.trace.event("open", path=path, began=began, groups=len(opened.groups))
         return opened
 
@@ -107,39 +117,36 @@ class Hook:
         placement = self.link.placement(path)
         mapped = placement is not None and self._maps_file(placement)
         with self._lock:  # the threads this kind of file needs, at its first (or its first after a release)
-            if self._collector_was_on is None and not routing.outside_engine_load():
-                # A full collection stops every thread while it walks every object the engine holds
-                # (0.13 s each with torch imported on the 2-core VM; an 8 GB EP1 sliced load, whose
-                # tensors and futures make the objects that trigger them, ran one besides the
-                # release's own). Cycles left meanwhile are collected at the release.
-                self._collector_was_on = gc.isenabled()
-                gc.disable()
+            self._pause_collector()
             if mapped:
                 self.map_executor = self.map_executor or OrderedExecutor(MAP_READERS, "rankfs-map", self.budget)
-            elif self.executor is None:
-                self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget,
-                                                hold=self._earlier_file_opening,
-                                                cpu_threads=self.settings.cpu_work_threads(),
-                                                disk_nice=self.settings.read_nice)
-                if self.on_device is not None:
-                    self.on_device.prepare_bounces(self.settings.threads)
-        return MappedFile(path, self, placement) if mapped else StagedFile(path, self, placement)
+                context = MappingContext(self.files, self.map_executor, self.budget)
+            else:
+                if self.executor is None:
+                    self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget,
+                                                    hold=self.order.earlier_file_opening,
+                                                    cpu_threads=self.settings.cpu_work_threads(),
+                                                    disk_nice=self.settings.read_nice)
+                    if self.on_device is not None:
+                        self.on_device.prepare_bounces(self.settings.threads)
+                context = StagingContext(self.files, self.executor, self.budget, self.slabs, self.on_device,
+                                         self.trace, self.order)
+        return MappedFile(path, context, placement) if mapped else StagedFile(path, context, placement)
 
-    def _earlier_file_opening(self, key: tuple) -> bool:
-        """Whether a file the loader takes before the one a read ahead is for (keyed (path, group))
-        is being opened: the read waits for that open. Loaders open several files at once, and
-        whichever opened first had the disk to itself (on the 2-core VM, cold, the fourth file's
-        reads began at 0.07 s while the first file's open, whose reads then queued behind them,
-        took 1.1 s)."""
-        opening = list(self.opening)  # copied at once: other threads add and remove
-        return bool(opening) and min(opening) < key[0]
+    def _pause_collector(self):
+        """A full collection stops every thread while it walks every object the engine holds, and
+        the tensors and futures a load makes trigger them: paused from a load's first open to its
+        release, which collects the cycles left meanwhile. Not for a file opened outside an
+        engine's load (a look at a header): no release may follow soon."""
+        if self._collector_was_on is None and not self.outside_engine_load():
+            self._collector_was_on = gc.isenabled()
+            gc.disable()
 
     def _maps_file(self, placement: dict) -> bool:
         """Whether a file's tensors view maps of its sources. For loads into host memory, by
         default where the page cache holds three quarters of them (judged by each one's first
         page): a map then costs no read and no copy, where from the disk reads into slabs outrun
-        the loader's page faults (2-core VM, 8 GB, cold: 3.6-5.0 s against 6.6-7.8 s; warm, maps
-        1.3-2.0 s against 1.8-3.8 s)."""
+        the loader's page faults."""
         if self.map_sources != "auto":
             return self.map_sources == "on"
         cached = sum(source.resident(align_down(offset), align_down(offset) + PAGE)
@@ -167,11 +174,6 @@ class Hook:
         if executor is not None:
             executor.wake()
 
-    def consumed_now(self):
-        """The staged file the loader consumes now: the loaders take files in name order, so the
-        first open one with tensors not yet handed out."""
-        return min(list(self.consuming), key=lambda f: f.path, default=None)
-
     def source_map(self, path: str) -> mmap.mmap:
         """A private map of a source shard (opened by the daemon link): mapped tensors view it."""
         with self._lock:
@@ -183,6 +185,8 @@ class Hook:
                 source.madvise(mmap.MADV_RANDOM)
             return source
 
+    # -- the release ------------------------------------------------------------------------------
+
     def release(self, phase: str | None = None) -> dict:
         """Stop the readers, free what the load held, drop the page cache it filled, report, and
         ask the daemons loaded from to drop theirs. After the target load a slab still alive is an
@@ -191,59 +195,83 @@ class Hook:
         clock = _StepClock()
         before = memory.snapshot()
         with self._lock:
-            executors, self.executor, self.map_executor = (self.executor, self.map_executor), None, None
             paths, self.paths = self.paths, set()
-        for executor in executors:
-            if executor is not None:
-                executor.shutdown()
-        with self._lock:
-            collector_was_on, self._collector_was_on = self._collector_was_on, None
-        if collector_was_on:
-            gc.enable()
-        # What the load made, cycles it dropped included, is all young (the collector was paused):
-        # a full collection walks the engine's whole heap (0.17 s for a bare torch process on the
-        # 2-core VM), so it runs only where a slab is still alive after the young one.
-        gc.collect(0)
-        pools = [self.slabs] + ([self.on_device.pool] if self.on_device else [])
-        if any(pool.alive() for pool in pools):
-            gc.collect()
-        leftovers = [slab for pool in pools for slab in pool.alive()]
+        leftovers = self._stop()
         clock.step("stop")
-        for pool in pools:
-            pool.drop_idle()
-        if self.on_device is not None:
-            self.on_device.close_bounces()
-        memory.malloc_trim()
-        memory.return_pinned_and_cached()
+        self._free_memory()
         clock.step("memory")
-        for path in paths:
-            _drop_page_cache(path)
-        with self._lock:
-            maps, self._source_maps = self._source_maps, {}
-        for source in maps.values():  # its pages leave this process (a tensor still viewing it refaults them)
-            source.madvise(mmap.MADV_DONTNEED)
-        self.link.close(uncache=set(maps))  # the mapped sources' pages, once unmapped (staged reads add none)
+        self._drop_page_cache(paths)
         clock.step("page_cache")
         drop_daemons(paths)
         clock.step("daemons")
         after = memory.snapshot(with_nvml=True)
         clock.step("figures")
+        figures = self._figures(phase, before, after, leftovers, clock)
+        print(memory.format_line(figures), file=sys.stderr, flush=True)  # one line, whatever logging the engine set up
+        self.trace.event("release", phase=phase, began=clock.began)
+        self.trace.flush()
+        self.releases.append(figures)
+        self._refuse_leftovers(phase, leftovers)
+        return figures
+
+    def _pools(self) -> list[SlabPool]:
+        return [self.slabs] + ([self.on_device.pool] if self.on_device else [])
+
+    def _stop(self) -> list[tuple[str, list[str]]]:
+        """Stop the read threads, run the collector again and collect what the load left; returns
+        (file, tensor names) of every slab still alive. What the load made, cycles it dropped
+        included, is all young (the collector was paused): a full collection, which walks the
+        engine's whole heap, runs only where a slab is still alive after the young one."""
+        with self._lock:
+            executors, self.executor, self.map_executor = (self.executor, self.map_executor), None, None
+            collector_was_on, self._collector_was_on = self._collector_was_on, None
+        for executor in executors:
+            if executor is not None:
+                executor.shutdown()
+        if collector_was_on:
+            gc.enable()
+        gc.collect(0)
+        if any(pool.alive() for pool in self._pools()):
+            gc.collect()
+        return [slab for pool in self._pools() for slab in pool.alive()]
+
+    def _free_memory(self):
+        for pool in self._pools():
+            pool.drop_idle()
+        if self.on_device is not None:
+            self.on_device.close_bounces()
+        memory.malloc_trim()
+        memory.return_pinned_and_cached()
+
+    def _drop_page_cache(self, paths: set[str]):
+        """The views' pages, the mapped sources' pages in this process, and what the load added to
+        the sources' page cache (rankfs.loader.daemon_link.DaemonLink.close)."""
+        for path in paths:
+            _drop_view_cache(path)
+        with self._lock:
+            maps, self._source_maps = self._source_maps, {}
+        for source in maps.values():  # its pages leave this process (a tensor still viewing it refaults them)
+            source.madvise(mmap.MADV_DONTNEED)
+        self.link.close(paths, uncache=set(maps))  # the mapped sources' pages, once unmapped (staged reads add none)
+
+    def _figures(self, phase: str, before: dict, after: dict, leftovers: list, clock: "_StepClock") -> dict:
+        pools, device = self._pools(), self.on_device
         start = self.load_start
-        figures = {
+        return {
             "phase": phase,
             **after,
             "mem_available_before": before["memavailable"],
             "pinned": self.slabs.pin,
-            "pinned_bytes": self.slabs.pinned_bytes() + (self.on_device.pinned_bytes() if self.on_device else 0),
-            "staged_on": "host" if self.on_device is None else self.on_device.staged_on,
+            "pinned_bytes": self.slabs.pinned_bytes() + (device.pinned_bytes() if device else 0),
+            "staged_on": "host" if device is None else device.staged_on,
             "slab_requests": sum(pool.stats.requests for pool in pools),
             "slabs": sum(pool.stats.slabs for pool in pools),
             "windows": self.slabs.stats.windows, "window_bytes": self.slabs.stats.window_bytes,
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),
             # Host buffers (page-locked where pinned; bounce buffers too) and GPU buffers at their most,
             # idle ones included.
-            "peak_host_bytes": self.slabs.stats.peak_bytes + (self.on_device.bounce_bytes if self.on_device else 0),
-            "peak_device_bytes": self.on_device.pool.stats.peak_bytes if self.on_device else 0,
+            "peak_host_bytes": self.slabs.stats.peak_bytes + (device.bounce_bytes if device else 0),
+            "peak_device_bytes": device.pool.stats.peak_bytes if device else 0,
             "torch_host_allocs": memory.host_alloc_count(),
             "release_seconds": clock.total(), "release_steps": clock.steps,
             # MemAvailable lost since the first load began, less what CUDA's allocator grew by where
@@ -251,17 +279,15 @@ class Hook:
             "nontorch_since_load_start": (start["memavailable"] - after["memavailable"])
             - ((after["cuda_reserved"] - start["cuda_reserved"]) if memory.unified_memory() else 0),
         }
-        print(memory.format_line(figures), file=sys.stderr, flush=True)  # one line, whatever logging the engine set up
-        self.trace.event("release", phase=phase, began=clock.began)
-        self.trace.flush()
-        self.releases.append(figures)
+
+    @staticmethod
+    def _refuse_leftovers(phase: str, leftovers: list):
         for file, names in leftovers:
             message = (f"rankfs: a slab of {file} is still alive after the {phase} load, held by "
                        f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
             log.error("%s", message)
             if phase == "target":
                 raise LeftoverSlabs(message)
-        return figures
 
 
 class _StepClock:
@@ -280,7 +306,7 @@ class _StepClock:
         return round(self._last - self.began, 3)
 
 
-def _drop_page_cache(path: str):
+def _drop_view_cache(path: str):
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -1,5 +1,5 @@
 """Where a group's reads land: in a host slab in place, or in the read thread's bounce buffers,
-uploaded a piece at a time to their place in a GPU slab (rankfs.loader.device). A landing's spots
+uploaded a piece at a time to their place in a GPU slab (rankfs.loader.device_slabs). A landing's spots
 are written before its next `place` or `flush`."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 import torch
 
-from rankfs.loader.device import PIECE_BYTES, DeviceSlabs
+from rankfs.loader.bounce import PIECE_BYTES
+from rankfs.loader.device_slabs import DeviceSlabs
 from rankfs.loader.slabs import Slab
 from rankfs.plan.spec import Rows
 
@@ -45,7 +46,7 @@ class HostLanding:
 
 class DeviceLanding:
     """Reads land in the read thread's bounce buffers, a piece at most at a time, and are uploaded
-    to their place in a GPU slab (rankfs.loader.device)."""
+    to their place in a GPU slab (rankfs.loader.device_slabs)."""
 
     piece = PIECE_BYTES
     picks_columns = True  # whole rows land in a bounce buffer; only the rank's columns go up

@@ -13,8 +13,7 @@ where cores are few the loader's loop, which hands out and narrows every tensor,
 thread that wants it. Reads from the disk keep every thread (a read in flight each), and run at
 `disk_nice` from the thread's own niceness (negative: ahead of the loader's threads), which the
 thread keeps until it runs a part of another kind: a read that completes needs the CPU only to
-start the next, and where cores are few the loader's copy threads held the disk idle meanwhile.
-Measured in docs/benchmark.md, eighteenth, twenty-eighth and thirty-seventh sessions.
+start the next, and where cores are few the loader's copy threads would hold the disk idle.
 """
 
 from __future__ import annotations
@@ -130,8 +129,7 @@ class OrderedExecutor:
         while not all(part.done() for part in parts):
             with self._ready:
                 # Once per thread, no deeper: when every thread holds a group, the file the loader
-                # waits for could not start before one of them is done (0.2 s on the H200 host,
-                # sliced experts, 24 GB).
+                # waits for could not start before one of them is done.
                 job = self._admissible(sooner_than=() if getattr(_thread, "nested", False) else key)
             if job is None:
                 break

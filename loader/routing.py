@@ -62,7 +62,7 @@ def current(create: bool = False):
         with _lock:
             if _hook is None:
                 from rankfs.loader.hook import Hook
-                _hook = Hook(_settings, _stock, _load_start)
+                _hook = Hook(_settings, _stock, _load_start, outside_engine_load)
     return _hook
 
 

@@ -1,58 +1,66 @@
-"""The hook's settings, from the environment: every variable it reads is here, with its default.
+"""The hook's settings, from the environment: every variable it reads is declared in SETTINGS, with
+its default and meaning (docs/reference.md is rendered from it), and validated here.
 
-    RANKFS_HOOK             on | observe | off     on: load rankfs views through the hook; observe:
-                                                   load the stock way, only log the memory figures
-    RANKFS_HOOK_MAP         auto | on | off       tensors that view maps of the sources instead of
-                                                   slabs (auto: without CUDA, for each file the page
-                                                   cache holds)
-    RANKFS_HOOK_DEVICE      auto | cpu | cuda[:N] where staged tensors are handed out: GPU memory (the
-                                                   loader's copies are device to device) or
-                                                   page-locked host memory (cpu); auto: the GPU the
-                                                   engine's parameters are on, when there is CUDA
-    RANKFS_HOOK_SLAB_MB     256                    slab size, MiB (rounded down to a power of two)
-    RANKFS_HOOK_INFLIGHT_GB 4                      memory read ahead of the loader, GiB (in host
-                                                   memory 0.5 a core, up to 4)
-    RANKFS_HOOK_THREADS     8                      read threads (as many as half the cores, half of
-                                                   them at least, for copies out of the page cache
-                                                   in small reads)
-    RANKFS_HOOK_READ_NICE   -10                    the read threads' niceness while they read from
-                                                   the disk, relative to their own (a thread whose
-                                                   read completes starts the next before the
-                                                   loader's copy threads run on); 0: as their own.
-                                                   Needs CAP_SYS_NICE or RLIMIT_NICE room: without,
-                                                   as their own
-    RANKFS_HOOK_TRACE       (off)                  write the hook's read events to this file, a JSON
-                                                   line each ({pid} is replaced by the process id);
-                                                   read by `python3 -m dev.bench.trace_summary`
-    RANKFS_RANK             (torch.distributed)    this process's rank, for a mount of several
-                                                   local ranks
-
-Standard library only.
+Standard library only: every Python process of the engine imports it at start-up.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from rankfs.common.contract import GIB
 
 MODES = ("on", "observe", "off")
 MAP_MODES = ("auto", "on", "off")
+MIN_BUDGET_BYTES = 16 << 20
+MIN_SLAB_BYTES = 1 << 20
+
+
+class Setting(NamedTuple):
+    variable: str
+    default: str
+    meaning: str
+
+
+SETTINGS = (
+    Setting("RANKFS_HOOK", "on", "`on`: load rankfs views through the hook; `observe`: load the stock way, only log "
+            "the memory figures; `off`: nothing"),
+    Setting("RANKFS_HOOK_DEVICE", "auto", "where staged tensors are handed out: `cuda[:N]` (GPU memory: the engine's "
+            "copies are device to device), `cpu` (page-locked host memory); `auto`: the GPU the engine's parameters "
+            "are on, when there is CUDA"),
+    Setting("RANKFS_HOOK_MAP", "auto", "tensors that view maps of the sources (`on`), or slabs (`off`); `auto`: slabs "
+            "with CUDA; without, maps for each file the page cache holds and slabs read from the disk for the "
+            "others, maps for every file where the memory the process may use holds less than two slabs"),
+    Setting("RANKFS_HOOK_INFLIGHT_GB", "4", "memory read ahead of the loader, GiB: GPU memory where the hook stages "
+            "there; host slabs: 0.5 a core (of the CPU quota) and a quarter of the memory the process may use (its "
+            "cgroup's limit less what it uses), up to 4; a value above the latter is refused"),
+    Setting("RANKFS_HOOK_SLAB_MB", "256", "slab size, MiB (a power of two; host slabs: half the budget at most)"),
+    Setting("RANKFS_HOOK_THREADS", "8", "read threads; as many as half the cores (half the threads at least) copy "
+            "small reads out of the page cache at once, leaving the other cores and the GIL to the loader"),
+    Setting("RANKFS_HOOK_READ_NICE", "-10", "niceness of a read thread while it reads from the disk, relative to "
+            "its own, so that it starts its next read before the loader's copy threads run on; 0: none (needs "
+            "`CAP_SYS_NICE` or `RLIMIT_NICE` room, else ignored)"),
+    Setting("RANKFS_HOOK_TRACE", "(off)", "the hook's events to this file (`{pid}` becomes the process id), a JSON "
+            "line each, for `python3 -m dev.bench.trace_summary`"),
+    Setting("RANKFS_RANK", "(torch.distributed)", "this process's rank, for a mount of several local ranks"),
+)
+_DEFAULTS = {s.variable: s.default for s in SETTINGS}
 
 
 class SettingError(ValueError):
     pass
 
 
-def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    value = os.environ.get(name, default)
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, _DEFAULTS[name])
     if value not in choices:
         raise SettingError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
     return value
 
 
-def _number(name: str, default: str, kind=int, minimum: float = 1):
-    text = os.environ.get(name, default)
+def _number(name: str, default: str | None = None, kind=int, minimum: float = 1):
+    text = os.environ.get(name, _DEFAULTS[name] if default is None else default)
     try:
         value = kind(text)
     except ValueError:
@@ -62,8 +70,8 @@ def _number(name: str, default: str, kind=int, minimum: float = 1):
     return value
 
 
-def _device(name: str, default: str) -> str:
-    value = os.environ.get(name, default)
+def _device(name: str) -> str:
+    value = os.environ.get(name, _DEFAULTS[name])
     kind, _, index = value.partition(":")
     if value in ("auto", "cpu", "cuda") or kind == "cuda" and index.isdigit():
         return value
@@ -71,7 +79,9 @@ def _device(name: str, default: str) -> str:
 
 
 def _cores() -> int:
-    return len(os.sched_getaffinity(0))
+    """The cores this process may use: its affinity and its CPU quota (rankfs.common.limits)."""
+    from rankfs.common.limits import cpu_count
+    return cpu_count()
 
 
 def _inflight_bytes(name: str) -> int | None:
@@ -97,13 +107,28 @@ class HookSettings:
         self.mode, self.map_sources, self.device, self.slab_bytes = mode, map_sources, device, slab_bytes
         self.budget_bytes, self.threads, self.read_nice, self.trace_file = budget_bytes, threads, read_nice, trace_file
 
-    def budget_for(self, host_slabs: bool) -> int:
-        """The bytes read ahead (RANKFS_HOOK_INFLIGHT_GB). Unset: 4 GiB, and where slabs are host
-        memory 512 MiB a core up to that: each slab's first use faults fresh memory in, work for
-        the cores the loader copies on (figures in docs/benchmark.md, twenty-eighth session)."""
+    def budget_for(self, host_slabs: bool, room: int) -> int:
+        """The bytes read ahead (RANKFS_HOOK_INFLIGHT_GB), given the memory the process may still
+        take (`room`: rankfs.common.limits.available_memory). Unset: 4 GiB, and where slabs are host
+        memory, 512 MiB a core (each slab's first use faults fresh memory in, work for the cores
+        the loader copies on) and a quarter of the room at most: past its cgroup's limit the engine
+        is killed. A budget set above the room is refused."""
         if self.budget_bytes is not None:
+            if host_slabs and self.budget_bytes > room:
+                raise SettingError(
+                    f"RANKFS_HOOK_INFLIGHT_GB={self.budget_bytes / GIB:g} is more than the {room / GIB:.2f} GiB "
+                    "this process may still use (its cgroup's memory limit less what it uses, or the host's "
+                    "available memory); set it lower, or leave it unset to size it from that")
             return self.budget_bytes
-        return min(4 * GIB, (512 << 20) * _cores()) if host_slabs else 4 * GIB
+        if not host_slabs:
+            return 4 * GIB
+        return max(MIN_BUDGET_BYTES, min(4 * GIB, (512 << 20) * _cores(), room // 4))
+
+    def slab_for(self, budget: int) -> int:
+        """A host slab's size under a budget: RANKFS_HOOK_SLAB_MB, or the largest power of two that
+        leaves room for two slabs (the loader's file may pass the budget by one)."""
+        fits = 1 << max(0, (budget // 2).bit_length() - 1)
+        return max(MIN_SLAB_BYTES, min(self.slab_bytes, fits))
 
     def cpu_work_threads(self) -> int:
         """How many read threads may copy out of the page cache at once: half the cores, the rest
@@ -113,14 +138,14 @@ class HookSettings:
 
     @classmethod
     def from_env(cls, mode: str | None = None) -> "HookSettings":
-        slab_mb = _number("RANKFS_HOOK_SLAB_MB", "256")
-        return cls(mode=mode or _choice("RANKFS_HOOK", "on", MODES),
-                   map_sources=_choice("RANKFS_HOOK_MAP", "auto", MAP_MODES),
-                   device=_device("RANKFS_HOOK_DEVICE", "auto"),
+        slab_mb = _number("RANKFS_HOOK_SLAB_MB")
+        return cls(mode=mode or _choice("RANKFS_HOOK", MODES),
+                   map_sources=_choice("RANKFS_HOOK_MAP", MAP_MODES),
+                   device=_device("RANKFS_HOOK_DEVICE"),
                    slab_bytes=(1 << (slab_mb.bit_length() - 1)) << 20,
                    budget_bytes=_inflight_bytes("RANKFS_HOOK_INFLIGHT_GB"),
-                   threads=_number("RANKFS_HOOK_THREADS", "8"),
-                   read_nice=_number("RANKFS_HOOK_READ_NICE", "-10", minimum=-39),
+                   threads=_number("RANKFS_HOOK_THREADS"),
+                   read_nice=_number("RANKFS_HOOK_READ_NICE", minimum=-39),
                    trace_file=_trace_file("RANKFS_HOOK_TRACE"))
 
 

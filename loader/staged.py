@@ -2,7 +2,7 @@
 file's tensors is staged by the hook's threads in the loaders' order as the budget has room, every
 free thread helping with the group the loader needs first; `get_tensor` waits for its group and
 returns a view into its slab: host memory, or GPU memory that the reads were uploaded to piece by
-piece through each read thread's bounce buffers (rankfs.loader.device).
+piece through each read thread's bounce buffers (rankfs.loader.device_slabs).
 
 Bytes adjacent in a source form a run. Where slabs are handed out from host memory, a group's runs
 that the page cache holds (checked when the file is opened), those that touch joined, are windows
@@ -38,6 +38,7 @@ from concurrent.futures import Future
 
 import torch
 
+from rankfs.loader.context import StagingContext
 from rankfs.loader.files import RankfsFile
 from rankfs.loader.jobs import Copy, all_cached, batches, cached_jobs, cpu_work, read_rows, read_run
 from rankfs.loader.landing import DeviceLanding, HostLanding
@@ -56,8 +57,9 @@ def contiguous_strides(shape: list[int]) -> list[int]:
 
 
 class StagedFile(RankfsFile):
-    def __init__(self, path: str, hook, placement: dict | None):
-        super().__init__(path, hook, placement)
+    def __init__(self, path: str, context: StagingContext, placement: dict | None):
+        super().__init__(path, context.file, placement)
+        self._load_context = context
         self._demanded: set[int] = set()  # groups the loader waits for
         self._handed: list[set[str]] = [set() for _ in self.groups]  # per group: tensors handed out
         # Worked out once, not on each hand-out: the loader's loop waits for the GIL behind this.
@@ -70,18 +72,18 @@ class StagedFile(RankfsFile):
         self.slabs_alive = 0
         self.handing_out = bool(self.groups)  # some tensor not yet handed out: it may be the loader's now
         self._lock = threading.Lock()
-        hook.consuming.add(self)
+        context.order.consuming.add(self)
         self._futures: list[Future | None] = [self._submit(g) for g in range(len(self.groups))]
 
     def resident(self, name: str, group: int, dtype: torch.dtype) -> torch.Tensor:
         if group not in self._demanded:
             self._demanded.add(group)
-            self._hook.wake_readers()  # it may be the one that must go beyond the budget
+            self._load_context.order.wake()  # it may be the one that must go beyond the budget
         future = self._futures[group] or self._submit(group)
-        if self._hook.trace.on and not future.done():  # traced: nothing more on each hand-out otherwise
+        if self._load_context.trace.on and not future.done():  # traced: nothing more on each hand-out otherwise
             began = time.monotonic()
             placed = future.result()
-            self._hook.trace.event("wait", path=self.path, group=group, began=began)
+            self._load_context.trace.event("wait", path=self.path, group=group, began=began)
         else:
             placed = future.result()
         self._handed[group].add(name)
@@ -103,13 +105,15 @@ class StagedFile(RankfsFile):
                 future.cancel()
         self._futures = [None] * len(self._futures)
         self._done_handing_out()
+        if not any(staging.windows for staging in self._stagings):  # else at the release: windows map pages
+            self._files.link.consumed(self.path)  # every group is read: its sources' pages are no longer wanted
         super().close()
 
     def _done_handing_out(self):
         if self.handing_out:
             self.handing_out = False
-            self._hook.consuming.discard(self)
-            self._hook.wake_readers()  # the next file is now the one the loader consumes
+            self._load_context.order.consuming.discard(self)
+            self._load_context.order.wake()  # the next file is now the one the loader consumes
 
     def _plan(self, names: list[str]) -> Staging:
         """A group's runs the page cache holds are windows where, joined, those of a 32nd of a slab
@@ -118,8 +122,8 @@ class StagedFile(RankfsFile):
         and a slab for a group's few small tensors would cost a whole buffer to fault in and
         page-lock. The rest (rows of slices, runs not cached) is read into a slab."""
         runs, offsets, size = self._lay_out(names)
-        spans = join_touching(runs) if self._hook.slabs.windows_pinnable and self._hook.on_device is None else []
-        least = self._hook.settings.slab_bytes // WINDOW_SHARE
+        spans = join_touching(runs) if self._load_context.slabs.windows_pinnable and self._load_context.on_device is None else []
+        least = self._files.slab_bytes // WINDOW_SHARE
         cached = [span for span in spans if span.source.resident(span.begin, span.end)]
         if sum(span.end - span.begin for span in cached if span.end - span.begin >= least) * 4 < size * 3:
             return Staging([], names, runs, offsets, size)
@@ -139,12 +143,12 @@ class StagedFile(RankfsFile):
 
     def _cost(self, staging: Staging) -> int:
         """The budget a group takes: its windows, and its slab's footprint."""
-        slab = self._hook.slabs.footprint(staging.size) if staging.in_slab else 0
+        slab = self._load_context.slabs.footprint(staging.size) if staging.in_slab else 0
         return sum(span.end - span.begin for span in staging.windows) + slab
 
     def _submit(self, group: int) -> Future:
         """Stage a group ahead: the loaders take files in sorted order, each file's groups in order."""
-        return self._hook.executor.submit((self.path, group), self._load, group, time.monotonic(),
+        return self._load_context.executor.submit((self.path, group), self._load, group, time.monotonic(),
                                           cost=self._costs[group],
                                           urgent=lambda: self._must_exceed_budget(group))
 
@@ -152,8 +156,8 @@ class StagedFile(RankfsFile):
         """The loader waits for this group of the file it consumes now, and files before it hold one
         slab at most: nothing else will free room (files after it, read ahead, wait for this one;
         the loader's loop keeps the last tensor it took, and its slab, until it gets the next)."""
-        return (group in self._demanded and self._hook.consumed_now() is self
-                and sum(f.slabs_alive for f in list(self._hook.holding) if f.path < self.path) <= 1)
+        return (group in self._demanded and self._load_context.order.consumed_now() is self
+                and sum(f.slabs_alive for f in list(self._load_context.order.holding) if f.path < self.path) <= 1)
 
     def _load(self, group: int, asked: float) -> dict[str, tuple[Slab, int]]:
         """Runs in a hook thread, its cost reserved: stage one group, every free read thread
@@ -165,7 +169,7 @@ class StagedFile(RankfsFile):
         windows = [(span.source.path, span.begin, span.end - span.begin, functools.partial(self._map_window, span, placed))
                    for span in staging.windows]  # (path, offset, bytes, callable)
         landing = None
-        trace = self._hook.trace
+        trace = self._load_context.trace
         try:
             copies = []
             if staging.in_slab:
@@ -179,14 +183,14 @@ class StagedFile(RankfsFile):
             else:
                 reads = windows + [(copy.source.path, copy.offset, copy.length, copy.read_as(cached)) for copy in copies]
                 jobs = batches(sorted(reads, key=lambda r: r[:2]), landing, trace)
-            self._hook.executor.run_all((self.path, group), jobs, cpu=cpu, disk=not cached)
+            self._load_context.executor.run_all((self.path, group), jobs, cpu=cpu, disk=not cached)
         except BaseException:  # the slabs made release their part of the cost as they die; this, the rest
             made = {id(s): s.reserved for s, _ in placed.values()}
-            self._hook.budget.release(self._costs[group] - sum(made.values()))
+            self._load_context.budget.release(self._costs[group] - sum(made.values()))
             raise
         if landing is not None:
             landing.filled()
-        self._hook.trace.event("group", path=self.path, group=group, bytes=self._group_spans[group], asked=asked,
+        self._load_context.trace.event("group", path=self.path, group=group, bytes=self._group_spans[group], asked=asked,
                                began=began, ended=time.monotonic(), thread=threading.current_thread().name)
         return placed
 
@@ -206,18 +210,18 @@ class StagedFile(RankfsFile):
 
     def _allocate(self, size: int, names: list[str]) -> HostLanding | DeviceLanding:
         """A slab for a group, in GPU memory where the hook stages there and the device has room."""
-        on_device = self._hook.on_device
+        on_device = self._load_context.on_device
         slab = on_device.allocate(size, names, self.path, self._slab_died) if on_device is not None else None
         if slab is not None:
             landing = DeviceLanding(slab, on_device)
         else:
-            landing = HostLanding(self._hook.slabs.allocate(size, names, self.path, on_death=self._slab_died),
-                                  self._hook.slabs)
+            landing = HostLanding(self._load_context.slabs.allocate(size, names, self.path, on_death=self._slab_died),
+                                  self._load_context.slabs)
         self._slab_born()
         return landing
 
     def _map_window(self, span: Span, placed: dict[str, tuple[Slab, int]]):
-        window = self._hook.slabs.window(span.source, span.begin, span.end, list(span.names), self.path,
+        window = self._load_context.slabs.window(span.source, span.begin, span.end, list(span.names), self.path,
                                          on_death=self._slab_died)
         self._slab_born()
         for name in span.names:
@@ -226,10 +230,10 @@ class StagedFile(RankfsFile):
     def _slab_born(self):
         with self._lock:
             self.slabs_alive += 1
-            self._hook.holding.add(self)
+            self._load_context.order.holding.add(self)
 
     def _slab_died(self):
         with self._lock:
             self.slabs_alive -= 1
             if not self.slabs_alive:
-                self._hook.holding.discard(self)
+                self._load_context.order.holding.discard(self)

@@ -103,8 +103,8 @@ class Chunk:
     def handed_anew(self):
         """It is read again for bytes the kernel was handed and lacks now (a second reader of the
         view, or pushed pages evicted): this copy is freed once it has been handed whole, not at its
-        first request. Counted from the first copy, every request of a view read twice read the
-        whole chunk again (3-8x the view's bytes in tests/test_memory.py)."""
+        first request (counted from the first copy, every request of a view read twice would read
+        the whole chunk again)."""
         self.listed = 0
         self.handed = []
         self.pushed = False  # this copy is not

@@ -4,9 +4,8 @@ out, not two), otherwise one large read into a buffer, direct (O_DIRECT) where t
 not hold it, with the fill written over the other ranks' columns. A source that is no longer the
 file that was planned is refused, by name.
 
-A cold chunk read direct costs the daemon less CPU than one faulted in through the map: on the
-2-core VM (8 GB, EP2, cold, the view) 3.7-4.2 CPU-seconds against 5.0-5.6, the load 6.6-7.8 s
-against 6.7-8.5 (docs/benchmark.md, twenty-ninth session)."""
+A cold chunk read direct costs the daemon less CPU than one faulted in through the map: where the
+daemon's CPU bounds a cold view, that is the view's speed."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ class SourceReader:
         """Whether a chunk is served from its source's map (else read into a buffer): one that lies
         on disk as served, where the page cache holds it (or the kernel cannot say). On the event
         loop's thread the GIL is kept for the call (microseconds): letting it go, that thread
-        waited to take it back behind the workers, 0.45 s of an 8 s O_DIRECT pass over a sliced
-        view on the 2-core VM."""
+        would wait to take it back behind the workers, and every request with it."""
         if not chunk.as_on_disk or self.direct_io:
             return False
         begin, end = chunk.source_offset, chunk.source_offset + chunk.length

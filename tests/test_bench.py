@@ -1,5 +1,6 @@
 """The benchmark's own logic: its profile summary (dev/bench/profile.py), the check that every
-load got the weights the original shards give and the rounds of a repeated run (dev/bench/run.py),
+load got the weights the original shards give (dev/bench/report.py), the rounds of a repeated run
+(dev/bench/bench.py),
 and the hook's own rate (a load with no engine copies, dev/bench/paths.py)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import pytest
 
 from conftest import ROOT, mounted
 from dev.bench.profile import summarize
-from dev.bench.bench import Bench, check_bitwise, hook_env_variants
+from dev.bench.bench import Bench, BenchConfig, Row, hook_env_variants
+from dev.bench.report import check_bitwise
 from rankfs.plan.safetensors import read_header
 
 
@@ -51,9 +53,10 @@ def test_a_repeated_run_measures_every_row_once_a_round_in_turn_reversed(tmp_pat
     source = tmp_path / "shard"
     source.write_bytes(os.urandom(1 << 20))
     journal = tmp_path / "rows.jsonl"
-    bench = Bench(tmp_path, tmp_path, "cpu", [], set(), lambda line: None, journal, repeat=3)
+    bench = Bench(BenchConfig(tmp_path, tmp_path, "cpu", (), frozenset(), journal, repeat=3, log=lambda line: None))
     ranges = {"ranges": [(str(source), 0, 1 << 20)], "direct": False}
-    rows = bench.rows([("first", "raw", ranges, None), ("second", "raw", ranges, None)], "warm", [str(source)])
+    rows = bench.rows([Row("first", "raw", lambda mnt: ranges), Row("second", "raw", lambda mnt: ranges)], "warm",
+                      [str(source)])
     measured = [json.loads(line)["path"] for line in journal.read_text().splitlines()]
     assert measured == ["first", "second", "second", "first", "first", "second"]
     for row in rows:
@@ -72,8 +75,8 @@ def test_hook_variants_are_sets_of_the_hooks_variables():
 @pytest.mark.mount
 def test_the_hooks_rows_run_once_per_variant(tiny_checkpoint, tmp_path):
     """--hook-env: each variant's variables reach its row's process, and only its."""
-    bench = Bench(tiny_checkpoint, tmp_path, "cpu", [], {"hook-alone"}, lambda line: None, tmp_path / "rows.jsonl",
-                  hook_variants=hook_env_variants(";RANKFS_HOOK_THREADS=0"))
+    bench = Bench(BenchConfig(tiny_checkpoint, tmp_path, "cpu", (), frozenset({"hook-alone"}), tmp_path / "rows.jsonl",
+                              hook_variants=hook_env_variants(";RANKFS_HOOK_THREADS=0"), log=lambda line: None))
     rows = bench.case("ep2", ["warm"])["rows"]
     assert [row["path"] for row in rows] == ["rankfs + hook, no engine copies",
                                              "rankfs + hook, no engine copies (RANKFS_HOOK_THREADS=0)"]
@@ -104,8 +107,8 @@ def test_the_hook_alone_hands_out_every_tensor_of_the_view_and_keeps_none(large_
 def test_a_second_load_is_measured_on_the_mount_the_first_one_read(tiny_checkpoint, tmp_path):
     """rankfs-again: the row's load is the second on its mount, by a new process, the same bytes;
     the daemon's counters are the mount's, both loads': each chunk read once more."""
-    bench = Bench(tiny_checkpoint, tmp_path, "cpu", [], {"stock", "rankfs", "rankfs-again"}, lambda line: None,
-                  tmp_path / "rows.jsonl")
+    bench = Bench(BenchConfig(tiny_checkpoint, tmp_path, "cpu", (), frozenset({"stock", "rankfs", "rankfs-again"}),
+                              tmp_path / "rows.jsonl", log=lambda line: None))
     case = bench.case("ep1-sliced", ["warm"])
     stock, first, again = case["rows"]
     assert again["path"] == "rankfs, a second load (a new process)" and first["bitwise"] and again["bitwise"]

@@ -28,14 +28,12 @@ def view_of(files: int) -> ViewStream:
 
 
 def read(view: ViewStream, file: int, position: int):
-    """A loader's read of a chunk, as the engine accounts it."""
+    """A loader's read of a whole chunk, accounted by the engine (whose read of it, before, marks
+    the file read)."""
     stream = view.files[file]
     chunk = stream.chunks[position]
-    chunk.requested = True
     stream.reading = True
-    stream.served += chunk.length
-    stream.reached = max(stream.reached, position)
-    stream.advance()
+    ReadEngine((), 1 << 30).served(chunk, chunk.start, chunk.end)
 
 
 def order(view: ViewStream, n: int) -> list[tuple[int, int]]:

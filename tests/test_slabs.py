@@ -7,7 +7,6 @@ ahead; the budget's default follows where slabs are."""
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -15,8 +14,9 @@ import torch
 
 from dev.memstate import uncache
 from rankfs.loader.budget import Budget
-import rankfs.loader.device as device_module
-from rankfs.loader.device import DeviceSlabs
+import rankfs.loader.bounce as bounce_module
+from dev.host_staging import host_staging
+from rankfs.loader.device_slabs import DeviceSlabs
 from rankfs.loader.landing import DeviceLanding
 from rankfs.common.contract import GIB
 from rankfs.loader.settings import HookSettings, SettingError
@@ -26,15 +26,21 @@ from rankfs.common.disk import PAGE, OpenFile
 MIB = 1 << 20
 
 
-def test_the_budget_defaults_by_where_slabs_are_and_follows_its_setting(monkeypatch):
-    """Unset, 4 GiB, and in host memory 512 MiB a core up to that (a fresh slab is faulted in by
-    the cores the loader copies on); set, exactly that; a bad value is refused by name."""
+def test_the_budget_follows_the_memory_the_process_may_use_and_its_setting(monkeypatch):
+    """Unset: 4 GiB on the GPU; in host memory at most that, and a quarter of what the process may
+    still take (its cgroup's room), slabs no more than half the budget; set, exactly that, but a
+    host budget above the room is refused by name, as is a bad value."""
     monkeypatch.delenv("RANKFS_HOOK_INFLIGHT_GB", raising=False)
     settings = HookSettings.from_env()
-    assert settings.budget_for(host_slabs=False) == 4 * GIB
-    assert settings.budget_for(host_slabs=True) == min(4 * GIB, len(os.sched_getaffinity(0)) * (512 << 20))
+    assert settings.budget_for(host_slabs=False, room=GIB) == 4 * GIB
+    assert 512 << 20 <= settings.budget_for(host_slabs=True, room=64 * GIB) <= 4 * GIB
+    tight = settings.budget_for(host_slabs=True, room=GIB)
+    assert tight <= GIB // 4 and 2 * settings.slab_for(tight) <= tight
+    assert settings.slab_for(4 * GIB) == 256 << 20
     monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", "1.5")
-    assert HookSettings.from_env().budget_for(host_slabs=True) == int(1.5 * GIB)
+    assert HookSettings.from_env().budget_for(host_slabs=True, room=2 * GIB) == int(1.5 * GIB)
+    with pytest.raises(SettingError, match="RANKFS_HOOK_INFLIGHT_GB=1.5 is more than the 1.00 GiB"):
+        HookSettings.from_env().budget_for(host_slabs=True, room=GIB)
     monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", "lots")
     with pytest.raises(SettingError, match="RANKFS_HOOK_INFLIGHT_GB"):
         HookSettings.from_env()
@@ -56,18 +62,18 @@ def test_dead_slabs_are_released_reused_and_unmapped_beyond_the_budget():
     assert pool.alive() == [] and budget.used == 0  # no collection needed: torch frees the storage
 
     again = allocate(MIB, "t3", "b.safetensors")
-    assert any(again.buffer is buffer for buffer in buffers) and len(pool._idle) == 2  # reused, not mapped anew
+    assert any(again.buffer is buffer for buffer in buffers) and len(pool.idle) == 2  # reused, not mapped anew
     larger = allocate(2 * MIB, "t4", "b.safetensors")  # none fits: a new one, the idle ones kept
-    assert len(pool._idle) == 2 and larger.buffer not in buffers
+    assert len(pool.idle) == 2 and larger.buffer not in buffers
     larger_buffer = larger.buffer
     del larger  # its buffer beside the idle ones and the one in use would exceed the budget: unmapped
-    assert larger_buffer.map.closed and len(pool._idle) == 2 and budget.used == MIB
+    assert larger_buffer.map.closed and len(pool.idle) == 2 and budget.used == MIB
     del again  # this one fits: kept for the next slab
-    assert len(pool._idle) == 3 and budget.used == 0
+    assert len(pool.idle) == 3 and budget.used == 0
 
     gc.collect()
     pool.drop_idle()
-    assert pool._idle == [] and budget.used == 0 and pool.pinned_bytes() == 0
+    assert pool.idle == () and budget.used == 0 and pool.pinned_bytes() == 0
 
 
 def test_a_window_views_the_page_cache_in_place_until_its_last_tensor_dies(tmp_path):
@@ -88,7 +94,7 @@ def test_a_window_views_the_page_cache_in_place_until_its_last_tensor_dies(tmp_p
         assert pool.alive() == [("a.safetensors", ["t"])] and budget.used == 3 * PAGE
         del view
         assert pool.alive() == [] and budget.used == 0 and buffer.address is None  # unmapped, never kept
-        assert pool._idle == [] and (pool.stats.windows, pool.stats.window_bytes) == (1, 3 * PAGE)
+        assert pool.idle == () and (pool.stats.windows, pool.stats.window_bytes) == (1, 3 * PAGE)
 
         uncache([path])
         assert not source.resident(PAGE, 2 * PAGE)
@@ -102,9 +108,9 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
     to each other in the slab uploaded together while they fit; torch's DLPack deleter is what
     tells the pool a slab is dead; a dead slab's buffer is written again only after a device
     synchronization."""
-    monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)  # two pieces of 100 KiB to a bounce buffer
+    monkeypatch.setattr(bounce_module, "PIECE_BYTES", 256 << 10)  # two pieces of 100 KiB to a bounce buffer
     budget = Budget(3 * MIB)
-    device = DeviceSlabs(torch.device("cpu"), MIB, budget, wanted=lambda: True, retire=lambda b: b.close())
+    device = DeviceSlabs(host_staging(), MIB, budget, wanted=lambda: True, retire=lambda b: b.close())
     device.prepare_bounces(1)  # as a load's first staged file does
     deaths = []
     data = np.random.default_rng(5).integers(0, 256, MIB - 100, dtype=np.uint8)
@@ -128,7 +134,7 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
     del slab
     assert device.pool.alive() == [("a.safetensors", ["t"])] and budget.used == MIB
     del view
-    assert device.pool.alive() == [] and budget.used == 0 and deaths == ["t"] and device.pool._idle == [buffer]
+    assert device.pool.alive() == [] and budget.used == 0 and deaths == ["t"] and device.pool.idle == (buffer,)
 
     budget.reserve(MIB)
     synced = device.fence.count
@@ -139,7 +145,7 @@ def test_a_gpu_slab_is_filled_through_bounce_buffers_and_frees_its_buffer_with_i
     del again
     device.pool.drop_idle()
     device.close_bounces()
-    assert budget.used == 0 and device.pool._idle == [] and buffer.memory is None
+    assert budget.used == 0 and device.pool.idle == () and buffer.memory is None
     assert bounce.buffers == [None, None] and device.bounce_bytes >= 512 << 10
 
 
@@ -149,7 +155,7 @@ def test_a_gpu_slab_whose_last_views_go_as_an_error_unwinds_is_freed_and_the_err
     that reaches the caller is the loader's own (a ctypes DLPack deleter could not run then: the
     slab stayed alive and a SystemError took the error's place)."""
     budget = Budget(MIB)
-    device = DeviceSlabs(torch.device("cpu"), MIB, budget, wanted=lambda: True, retire=lambda b: b.close())
+    device = DeviceSlabs(host_staging(), MIB, budget, wanted=lambda: True, retire=lambda b: b.close())
     deaths = []
 
     def slab():
@@ -164,13 +170,13 @@ def test_a_gpu_slab_whose_last_views_go_as_an_error_unwinds_is_freed_and_the_err
 
 
 def test_bounce_buffers_are_made_ahead_and_those_never_taken_are_unmapped(monkeypatch):
-    monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)
-    supply = device_module.BounceBuffers(2, pin=False)
+    monkeypatch.setattr(bounce_module, "PIECE_BYTES", 256 << 10)
+    supply = bounce_module.BounceBuffers(2, pin=False)
     made = [supply.take(100 << 10), supply.take(256 << 10)]  # the two made ahead
     row = supply.take(MIB)  # a row larger than a piece: a buffer of its own
     assert [len(b) for b in made] == [(256 << 10) + 2 * PAGE] * 2 and len(row) == MIB
     assert len(supply.take(PAGE)) == (256 << 10) + 2 * PAGE and supply.idle_bytes == 0  # made now: none left
-    ahead = device_module.BounceBuffers(3, pin=False)
+    ahead = bounce_module.BounceBuffers(3, pin=False)
     ahead.take(PAGE)
     ahead.close()
     assert ahead.idle_bytes == 0
@@ -179,16 +185,41 @@ def test_bounce_buffers_are_made_ahead_and_those_never_taken_are_unmapped(monkey
 def test_a_bounce_buffer_that_cannot_be_page_locked_fails_its_taker_instead_of_hanging(monkeypatch):
     """The makers run on threads of their own: a page-lock the driver refuses reaches the read
     thread that waits for that buffer (and the load's error), and the buffer is unmapped."""
-    monkeypatch.setattr(device_module, "PIECE_BYTES", 256 << 10)
+    monkeypatch.setattr(bounce_module, "PIECE_BYTES", 256 << 10)
     made = []
 
     def refuse(buffer):
         made.append(buffer)
         raise OSError("cudaHostRegister refused")
     monkeypatch.setattr(HostBuffer, "pin", refuse)
-    supply = device_module.BounceBuffers(6, pin=True)
+    supply = bounce_module.BounceBuffers(6, pin=True)
     for _ in range(6):
         with pytest.raises(RuntimeError, match="no page-locked bounce buffer.*cudaHostRegister refused"):
             supply.take(PAGE)
     supply.close()
     assert made and all(buffer.map.closed for buffer in made) and supply.idle_bytes == 0
+
+
+def test_buffers_the_driver_will_not_page_lock_stay_pageable_and_the_load_goes_on(monkeypatch, caplog):
+    """A page-lock refused (a container's RLIMIT_MEMLOCK, the driver's own limit): bounce buffers
+    and host slabs stay pageable from then on, said once; every taker gets a buffer."""
+    monkeypatch.setattr(bounce_module, "PIECE_BYTES", 256 << 10)
+    refused = []
+
+    def refuse(buffer, *flags):
+        refused.append(buffer)
+        raise RuntimeError("cudaHostRegister of 262144 bytes failed: 2")
+    monkeypatch.setattr(HostBuffer, "pin", refuse)
+    supply = bounce_module.BounceBuffers(6, pin=True)
+    taken = [supply.take(PAGE) for _ in range(6)]
+    assert all(not b.map.closed and b.pinned_at is None for b in taken) and not supply.pin
+    supply.close()
+    budget = Budget(2 * MIB)
+    pool = SlabPool(MIB, budget, pin=True)
+    budget.reserve(MIB)
+    slab = pool.allocate(MIB, ["t"], "a.safetensors")
+    pool.filled(slab)
+    assert not pool.pin and pool.pinned_bytes() == 0
+    assert sum("cannot be page-locked" in r.message for r in caplog.records) == 2
+    for buffer in taken:
+        buffer.close()

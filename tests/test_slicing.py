@@ -13,10 +13,11 @@ import safetensors
 import torch
 
 import rankfs.loader as loader
-import rankfs.loader.hook as hook_module
 from rankfs.loader import routing
 from conftest import mounted
 from dev.bench import trace_summary
+from dev.host_staging import host_staging
+from rankfs.loader import staging
 from dev.bench.engine_like import MoELayout, expert_counts, load, shard_files
 from dev.fixtures import deepseek_v4
 from dev.memstate import MIB, cached_bytes, rss_bytes, uncache
@@ -434,7 +435,7 @@ def test_groups_staged_on_a_device_arrive_through_bounce_buffers_piece_by_piece(
     page cache does not hold them, each at its place within a page) and rows of slices compacted
     into a thread's two bounce buffers in turn, each piece uploaded to its place in the group's
     slab. The load's bytes are the stock load's; after the release nothing is held."""
-    monkeypatch.setattr(hook_module, "loading_device", lambda setting: torch.device("cpu"))
+    monkeypatch.setattr(staging, "stage_on", host_staging)
     monkeypatch.setattr(DeviceLanding, "piece", 64 << 10)  # many pieces per run, and runs ending mid-piece
     monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
     layout = engine_layout(4, 1, 1)

@@ -10,10 +10,8 @@ read-around would otherwise ask for (it costs no read).
 
 A safetensors reader lists a file before it copies: it reads the header, then the first byte of
 every tensor as it makes it, holding the GIL. Through a mount each of those reads, where the page
-is not cached, was a request with the kernel's readahead (16 MiB) behind it, one at a time for all
-the files a loader opened: on the H200 host the first copy of a warm 24 GB load came 1.2-1.9 s (EP2)
-and 4.7-5.0 s (EP1 sliced, 7,643 tensors) after the load began, against 0.27 s through the source.
-So a file's first open is answered once those pages are pushed, each where the source's page cache
+is not cached, is a request with the kernel's readahead (16 MiB) behind it, one at a time for all
+the files a loader opened, and the loader's first copy waits for all of them. So a file's first open is answered once those pages are pushed, each where the source's page cache
 holds its bytes (a cold source keeps the requests, whose readahead reads it in large pieces).
 
 A push waits for the locks of pages a pending read holds; those reads are answered from the chunk's
@@ -38,10 +36,10 @@ from rankfs.vfs.tree import Content
 
 log = logging.getLogger("rankfs.push")
 
-# Offers already waiting go to a thread several at a time, up to this many bytes: on the 2-core VM
-# handing a push to a thread and its result back to the loop took 15 ms against 2 ms of storing
-# (a sliced view, whose pushes average 2 MB). Only a backlog is batched: more offers waiting than
-# push threads.
+# Offers already waiting go to a thread several at a time, up to this many bytes: where cores are few,
+# handing a push to a thread and its result back to the loop costs more than storing a small chunk
+# (a sliced view's pushes average 2 MB). Only a backlog is batched: more offers waiting than push
+# threads.
 BATCH_BYTES = 32 << 20
 
 

@@ -44,13 +44,14 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from dev.bench import profile
-from dev.bench import trace_summary
+from dev.bench import profile, trace_summary
+from dev.bench.report import check_bitwise, median_run, plot, shape, table
 from dev.fixtures import deepseek_v4
-from dev.memstate import cached_bytes, cpu_seconds, uncache, vm_hwm
+from dev.memstate import cached_bytes, cpu_seconds, drop_caches, uncache, vm_hwm, warm
 from dev.mounting import ROOT, mounted
 import rankfs
 from rankfs.common import contract
@@ -67,29 +68,8 @@ CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), a
 PEERS = ("instanttensor", "fastsafetensors", "runai")
 PATHS = ("limit", "ceiling", "stock", "rankfs", "rankfs-again", "view-preads", "hook", "hook-alone", "peers",
          "peers-on-view")
-# What each mount's daemon did for a row (a fresh mount per row): how the bytes reached the loader.
-DAEMON_COUNTERS = ("read_bytes", "pushed_bytes", "pushed_fill_bytes", "requests", "request_bytes", "fill_bytes",
-                   "demand_loads", "prefetch_loads")
 # InstantTensor's configurations: its default, and its best for the mode (its own guidance).
 INSTANTTENSOR_BEST = {"cold": None, "warm": "URING_BUFFERED", "tmpfs": "MMAP"}
-
-
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    return True
-
-
-def warm(files):
-    """The files into the page cache, eight at a time."""
-    def read(path):
-        with open(path, "rb") as f:
-            while f.read(16 << 20):
-                pass
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(read, files))
 
 
 PATH_TIMEOUT = 300  # seconds one path may take
@@ -113,9 +93,8 @@ def run_path(kind: str, args: dict, record: Path | None = None, profile_mode: st
 
 def rank_ranges(layout) -> list[tuple[str, int, int]]:
     """(source path, offset, length) of exactly the bytes the target view reads, merged."""
-    spans = [(layout.sources[e.source].path, e.source_offset, e.source_offset + e.length)
-             for vfile in layout.view("target").files for e in vfile.extents()
-             if e.kind == "data" and not e.on_demand]
+    spans = [(layout.sources[vfile.source].path, begin, end)
+             for vfile in layout.view("target").files for begin, end in vfile.source_reads()]
     return [(path, begin, end - begin) for path, begin, end in merge_adjacent(spans)]
 
 
@@ -124,73 +103,74 @@ def whole_files(directory: Path) -> list[tuple[str, int, int]]:
     return [(str(p), 0, p.stat().st_size) for p in sorted(directory.glob("*.safetensors"))]
 
 
-def shape(result: dict, planned: int):
-    """Time to the first byte landed, and the rate between a tenth and nine tenths of the bytes."""
-    timeline = result.get("timeline") or []
-    first = next((t for t, b in timeline if b > 0), None)
-    total = result.get("bytes") or 0
-    lo = next((t for t, b in timeline if b >= 0.1 * total), None)
-    hi = next((t for t, b in timeline if b >= 0.9 * total), None)
-    result["ttfb"] = first
-    result["steady_gb_per_s"] = 0.8 * total / (hi - lo) / 1e9 if lo is not None and hi and hi > lo else None
-    if "seconds" in result:
-        result["gb_per_s"] = planned / result["seconds"] / 1e9
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run's settings (`python3 -m dev bench --help`)."""
+    checkpoint: Path
+    workdir: Path
+    device: str  # where the loader copies to: cpu or cuda
+    peers: tuple[str, ...]
+    paths: frozenset[str]  # the rows to run (PATHS)
+    journal: Path  # each row as a JSON line, as it comes
+    mount_args: tuple[str, ...] = ()  # more `rankfs mount` arguments for rows through a view
+    repeat: int = 1  # rounds of every row of a mode
+    profiles: Path | None = None  # py-spy records, per row
+    profile_mode: str = "idle"
+    traces: Path | None = None  # the daemon's and the hook's events, per row
+    hook_variants: tuple[dict, ...] = ({},)  # the hook's rows, once per set of its variables
+    log: Callable[[str], None] = print
 
 
-def check_bitwise(rows: list[dict]):
-    """Each load's weights against those the first load of the original shards got (stock, the
-    ceiling or a peer): `bitwise` True where every run of the row equals them, False where one does
-    not, None with no such load in the run."""
-    reference = next((r["weights_sha256"] for r in rows if "weights_sha256" in r and not r["through_view"]), None)
-    for row in rows:
-        if "weights_sha256" in row:
-            row["bitwise"] = None if reference is None else set(row["runs_weights_sha256"]) == {reference}
+@dataclass(frozen=True)
+class Row:
+    """A row: `args(mountpoint)` are its path's arguments; through a fresh mount of `view` where it
+    reads one (`args` then gets the mount point, else None). `second_load`: the measured load is
+    the view's second reader, a new process once a first load has exited."""
+    label: str
+    kind: str  # dev.bench.paths: load, raw, push
+    args: Callable[[Path | None], dict]
+    view: RankSpec | None = None
+    second_load: bool = False
 
 
 class Bench:
-    def __init__(self, checkpoint: Path, workdir: Path, device: str, peers: list[str], paths: set[str], log,
-                 journal: Path, profiles: Path | None = None, mount_args: tuple[str, ...] = (), repeat: int = 1,
-                 traces: Path | None = None, profile_mode: str = "idle", hook_variants: tuple[dict, ...] = ({},)):
-        self.checkpoint, self.workdir, self.device, self.peers, self.log = checkpoint, workdir, device, peers, log
-        self.paths, self.journal, self.profiles, self.mount_args = paths, journal, profiles, mount_args
-        self.repeat, self.traces, self.profile_mode = repeat, traces, profile_mode
-        self.hook_variants = hook_variants  # the hook's rows, once per set of its variables
+    def __init__(self, config: BenchConfig):
+        self.config = config
         self.case_name = ""
 
-    def rows(self, specs: list[tuple], mode: str, files: list[str]) -> list[dict]:
-        """Rows (label, kind, args, view): each path run `repeat` times, each in a process of its
-        own (through a fresh mount of the `view` rank, where it reads one: `args` then takes the
-        mount point), round by round, every row once a round: on a shared host the same load moves
-        by up to 2x within minutes, and a disk's rate drifts between rounds, more than most
-        differences measured. Every other round runs the rows in reverse: on the 2-core VM the
-        second of two variants ran faster whichever it was. The run of median time (of two, the
-        faster) stands for the row, every run's seconds beside it."""
-        runs = [[] for _ in specs]
-        for run in range(self.repeat):
-            if self.repeat > 1:
-                self.log(f"  {mode} round {run + 1} of {self.repeat}" + (", rows in reverse" if run % 2 else ""))
-            order = list(zip(specs, runs))
-            for (label, kind, args, view), done in order[::-1] if run % 2 else order:
-                done.append(self.run_once(label, kind, args, mode, files, view, run))
+    def rows(self, rows: list[Row], mode: str, files: list[str]) -> list[dict]:
+        """Each row run `repeat` times, each in a process of its own, round by round, every row
+        once a round: on a shared host the same load moves by up to 2x within minutes, and a disk's
+        rate drifts between rounds, more than most differences measured. Every other round runs
+        the rows in reverse (of two variants, the second often runs faster, whichever it is). The
+        run of median time (of two, the faster) stands for the row, every run's seconds beside it."""
+        runs = [[] for _ in rows]
+        repeat = self.config.repeat
+        for run in range(repeat):
+            if repeat > 1:
+                self.config.log(f"  {mode} round {run + 1} of {repeat}" + (", rows in reverse" if run % 2 else ""))
+            order = list(zip(rows, runs))
+            for row, done in order[::-1] if run % 2 else order:
+                done.append(self.run_once(row, mode, files, run))
         return [median_run(done) for done in runs]
 
-    def run_once(self, label: str, kind: str, args, mode: str, files: list[str], view: RankSpec | None,
-                 run: int) -> dict:
-        """One run of a row: `measure`, through a fresh mount of `view` where it has one, with its traces."""
-        if view is None:
-            return self.measure(label, kind, args, mode, files, run=run)
-        trace = self.traces / f"{self.slug(label, mode, run)}.jsonl" if self.traces else None
-        with self.mounted(view, trace) as mnt:
-            run_args = args(mnt)
-            if run_args.pop("again", False):  # the measured load is the view's second reader
-                first = run_path(kind, run_args)
+    def run_once(self, row: Row, mode: str, files: list[str], run: int) -> dict:
+        """One run of a row: `measure`, through a fresh mount of its view where it has one, with its traces."""
+        if row.view is None:
+            return self.measure(row, row.args(None), mode, files, run=run)
+        traces = self.config.traces
+        trace = traces / f"{self.slug(row.label, mode, run)}.jsonl" if traces else None
+        with self.mounted(row.view, trace) as mnt:
+            run_args = row.args(mnt)
+            if row.second_load:
+                first = run_path(row.kind, run_args)
                 if "error" in first:
-                    self.log(f"  {label}: the first load failed: {first['error']}")
+                    self.config.log(f"  {row.label}: the first load failed: {first['error']}")
                 uncache(mnt.rglob("*.safetensors"), direct=True)
             hook_trace = trace.with_suffix(".hook.jsonl") if trace and run_args.get("hook") else None
             if hook_trace:
                 run_args["hook_trace"] = str(hook_trace)
-            result = self.measure(label, kind, run_args, mode, files, mnt, run)
+            result = self.measure(row, run_args, mode, files, mnt, run)
         if trace is not None and trace.exists():  # complete once unmounted
             trace.with_suffix(".summary.txt").write_text(
                 trace_summary.summarize(trace_summary.read_events(trace), result) + "\n")
@@ -199,80 +179,85 @@ class Bench:
                 trace_summary.summarize_hook(trace_summary.read_events(hook_trace), result) + "\n")
         return result
 
-    def measure(self, label: str, kind: str, args: dict, mode: str, files: list[str],
-                mountpoint: Path | None = None, run: int = 0) -> dict:
+    def measure(self, row: Row, args: dict, mode: str, files: list[str], mountpoint: Path | None = None,
+                run: int = 0) -> dict:
         if mode == "cold":
             drop_caches()
         else:
             warm(files)
         record = None
-        if self.profiles is not None and kind == "load":
-            record = self.profiles / f"{self.slug(label, mode, run)}.txt"
+        if self.config.profiles is not None and row.kind == "load":
+            record = self.config.profiles / f"{self.slug(row.label, mode, run)}.txt"
         daemon = contract.read_status(str(mountpoint))["pid"] if mountpoint is not None else None
         sources_cached, daemon_cpu = cached_bytes(files), cpu_seconds(daemon) if daemon else 0.0
-        result = run_path(kind, args, record, self.profile_mode)
+        result = run_path(row.kind, args, record, self.config.profile_mode)
         # Only pages of files the row owns: machine-wide Cached also grows by the libraries a cold
-        # process maps (1.2 GB of torch's on the H200 host).
+        # process maps.
         left = cached_bytes(files) - sources_cached
         if mountpoint is not None:
             left += cached_bytes(mountpoint.rglob("*.safetensors"))
         if record is not None and record.exists():
             record.with_suffix(".summary.txt").write_text(profile.summarize(record) + "\n")
-        result.update(case=self.case_name, path=label, mode=mode, cached_after=left,
+        result.update(case=self.case_name, path=row.label, mode=mode, cached_after=left,
                       through_view=mountpoint is not None)
         if mountpoint is not None:
             status = contract.read_status(str(mountpoint))
             result["daemon_peak_rss"] = vm_hwm(daemon)
             result["daemon_cpu_seconds"] = cpu_seconds(daemon) - daemon_cpu
-            result["daemon"] = {key: status[key] for key in DAEMON_COUNTERS}
-        self.log(f"  {mode:<5} {label:<36} {result.get('seconds', float('nan')):7.2f} s"
-                 + (f"  ERROR {result['error']}" if "error" in result else ""))
-        if "daemon" in result:
-            gb = {key: value / 1e9 for key, value in result["daemon"].items()}
-            self.log(f"        through the view: pushed {gb['pushed_bytes']:.2f} GB (+ {gb['pushed_fill_bytes']:.2f} GB"
-                     f" of fill), requested {gb['request_bytes']:.2f} GB in {result['daemon']['requests']} requests"
-                     f" ({gb['fill_bytes']:.2f} GB of fill)")
-        with open(self.journal, "a") as f:  # each row as it comes: a run cut short keeps what it measured
-            f.write(json.dumps({"checkpoint": str(self.checkpoint), **result}) + "\n")
+            result["daemon"] = {key: status[key] for key in status["counters"]}
+        self.log_row(result)
+        with open(self.config.journal, "a") as f:  # each row as it comes: a run cut short keeps what it measured
+            f.write(json.dumps({"checkpoint": str(self.config.checkpoint), **result}) + "\n")
         return result
 
+    def log_row(self, result: dict):
+        log = self.config.log
+        log(f"  {result['mode']:<5} {result['path']:<36} {result.get('seconds', float('nan')):7.2f} s"
+            + (f"  ERROR {result['error']}" if "error" in result else ""))
+        if "daemon" in result:
+            gb = {key: value / 1e9 for key, value in result["daemon"].items()}
+            log(f"        through the view: pushed {gb['pushed_bytes']:.2f} GB (+ {gb['pushed_fill_bytes']:.2f} GB"
+                f" of fill), requested {gb['request_bytes']:.2f} GB in {result['daemon']['requests']} requests"
+                f" ({gb['fill_bytes']:.2f} GB of fill)")
+
     def load_args(self, directory, spec: RankSpec, source: str = "stock", **extra) -> dict:
-        return {"directory": str(directory), "counts_from": str(self.checkpoint), "device": self.device,
+        return {"directory": str(directory), "counts_from": str(self.config.checkpoint), "device": self.config.device,
                 "source": source, **extra,
                 "layout": {"moe_tp_size": spec.moe_tp_size, "moe_tp_rank": spec.moe_tp_rank,
                            "ep_size": spec.ep_size, "ep_rank": spec.ep_rank}}
 
     def slug(self, label: str, mode: str, run: int) -> str:
         """A row's run as a file name: ep2-warm-rankfs-2."""
-        numbered = f" {run + 1}" if self.repeat > 1 else ""
+        numbered = f" {run + 1}" if self.config.repeat > 1 else ""
         return re.sub(r"[^a-z0-9]+", "-", f"{self.case_name} {mode} {label}{numbered}".lower()).strip("-")
 
     def push_mountpoint(self) -> Path:
         """Where the push limit mounts its files for its run."""
-        path = self.workdir / "mnt-push"
+        path = self.config.workdir / "mnt-push"
         path.mkdir(exist_ok=True)
         return path
 
     def mounted(self, spec: RankSpec, trace: Path | None = None):
-        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size, *self.mount_args,
-                 *(("--trace", trace) if trace else ()))
-        return mounted(self.checkpoint, self.workdir / "mnt", *flags, log=self.workdir / "rankfs.log")
+        flags = ("--tp-size", spec.tp_size, "--tp-rank", spec.tp_rank, "--ep-size", spec.ep_size,
+                 *self.config.mount_args, *(("--trace", trace) if trace else ()))
+        return mounted(self.config.checkpoint, self.config.workdir / "mnt", *flags,
+                       log=self.config.workdir / "rankfs.log")
 
     def case(self, name: str, modes: list[str]) -> dict:
         tp_size, tp_rank, ep_size = CASES[name]
         self.case_name = name
         spec = RankSpec(tp_size, tp_rank, ep_size)
-        layout = plan_rank(Checkpoint.open(self.checkpoint), spec)
+        layout = plan_rank(Checkpoint.open(self.config.checkpoint), spec)
         target = layout.view("target")
         planned = target.summary()
         ranges = rank_ranges(layout)
-        files = sorted(str(p) for p in self.checkpoint.glob("*.safetensors"))
+        files = sorted(str(p) for p in self.config.checkpoint.glob("*.safetensors"))
         names = [n for f in target.files for n in f.tensor_names if not BY_NAME["deepseek-v4"].is_on_demand(n)]
-        self.log(f"\n{name}: {spec.describe()}; reads {planned['read_bytes'] / 1e9:.2f} GB, keeps "
-                 f"{planned['kept_bytes'] / 1e9:.2f} GB")
+        self.config.log(f"\n{name}: {spec.describe()}; reads {planned['read_bytes'] / 1e9:.2f} GB, keeps "
+                        f"{planned['kept_bytes'] / 1e9:.2f} GB")
         rows = []
         for mode in modes:
-            rows += self.mode_rows(mode, spec, ranges, files, names)
+            rows += self.rows(self.mode_rows(mode, spec, ranges, names), mode, files)
         for row in rows:
             shape(row, planned["read_bytes"])
         check_bitwise(rows)
@@ -284,54 +269,60 @@ class Bench:
                     row["ratio_to_limit"] = limit / row["seconds"]
         return {"case": name, "spec": spec.describe(), "plan": planned, "rows": rows}
 
-    def mode_rows(self, mode: str, spec: RankSpec, ranges, files, names) -> list[dict]:
-        specs = []
-        row = lambda label, kind, args, view=None: specs.append((label, kind, args, view))  # noqa: E731
-        cuda, paths = self.device != "cpu", self.paths
+    def mode_rows(self, mode: str, spec: RankSpec, ranges, names) -> list[Row]:
+        """The rows of a mode, in the order they run."""
+        rows: list[Row] = []
+        paths, cuda, checkpoint = self.config.paths, self.config.device != "cpu", self.config.checkpoint
+        fixed = lambda args: (lambda mnt: args)  # noqa: E731  a row's arguments that need no mount
         if "limit" in paths:
             if mode == "cold":
-                row("limit: O_DIRECT preads", "raw", {"ranges": ranges, "direct": True})
-            row("limit: buffered preads", "raw", {"ranges": ranges, "direct": False})
+                rows.append(Row("limit: O_DIRECT preads", "raw", fixed({"ranges": ranges, "direct": True})))
+            rows.append(Row("limit: buffered preads", "raw", fixed({"ranges": ranges, "direct": False})))
             if cuda:
-                row("limit: preads + H2D", "raw", {"ranges": ranges, "direct": False, "h2d": True})
-            row("limit: pushes into FUSE page cache", "push",
-                {"ranges": ranges, "mountpoint": str(self.push_mountpoint())})
+                rows.append(Row("limit: preads + H2D", "raw", fixed({"ranges": ranges, "direct": False, "h2d": True})))
+            rows.append(Row("limit: pushes into FUSE page cache", "push",
+                            fixed({"ranges": ranges, "mountpoint": str(self.push_mountpoint())})))
         if mode != "cold" and "ceiling" in paths:
-            row("engine ceiling (staged, pinned)", "load",
-                self.load_args(self.checkpoint, spec, "staged", names=names))
+            rows.append(Row("engine ceiling (staged, pinned)", "load",
+                            fixed(self.load_args(checkpoint, spec, "staged", names=names))))
         if "stock" in paths:
-            row("stock (engine-like, mmap)", "load", self.load_args(self.checkpoint, spec))
+            rows.append(Row("stock (engine-like, mmap)", "load", fixed(self.load_args(checkpoint, spec))))
+        through = lambda **extra: (lambda mnt: self.load_args(mnt / "target", spec, **extra))  # noqa: E731
         if "rankfs" in paths:
-            row("rankfs", "load", lambda mnt: self.load_args(mnt / "target", spec), spec)
+            rows.append(Row("rankfs", "load", through(), spec))
         if "rankfs-again" in paths:
-            row("rankfs, a second load (a new process)", "load",
-                lambda mnt: self.load_args(mnt / "target", spec, again=True), spec)
+            rows.append(Row("rankfs, a second load (a new process)", "load", through(), spec, second_load=True))
         if "view-preads" in paths:
-            row("rankfs: O_DIRECT preads of the view", "raw",
-                lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec)
-        for env in self.hook_variants:
+            rows.append(Row("rankfs: O_DIRECT preads of the view", "raw",
+                            lambda mnt: {"ranges": whole_files(mnt / "target"), "direct": True}, spec))
+        for env in self.config.hook_variants:
             named = f" ({','.join(f'{k}={v}' for k, v in env.items())})" if env else ""
             if "hook" in paths:
-                row(f"rankfs + hook{named}", "load",
-                    lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, env=env), spec)
+                rows.append(Row(f"rankfs + hook{named}", "load", through(hook=True, env=env), spec))
             if "hook-alone" in paths:
-                row(f"rankfs + hook, no engine copies{named}", "load",
-                    lambda mnt, env=env: self.load_args(mnt / "target", spec, hook=True, copies=False, env=env), spec)
-        for peer in self.peers if {"peers", "peers-on-view"} & paths else ():
-            if peer == "instanttensor" and not cuda:
-                continue
-            configs = [("default", {})]
-            if peer == "instanttensor":
-                best = INSTANTTENSOR_BEST[mode]
-                configs = [("default", {}), (f"{best or 'default'}, rank's tensors", {"backend": best, "filtered": True,
-                                                                                      "names": names})]
-            for config, extra in configs:
-                if "peers" in paths:
-                    row(f"{peer} ({config})", "load", self.load_args(self.checkpoint, spec, peer, **extra))
-                if "peers-on-view" in paths:
-                    row(f"{peer} ({config}) on the view", "load",
-                        lambda mnt, peer=peer, extra=extra: self.load_args(mnt / "target", spec, peer, **extra), spec)
-        return self.rows(specs, mode, files)
+                rows.append(Row(f"rankfs + hook, no engine copies{named}", "load",
+                                through(hook=True, copies=False, env=env), spec))
+        for peer in self.config.peers if {"peers", "peers-on-view"} & paths else ():
+            rows += self.peer_rows(peer, mode, spec, names, through, fixed)
+        return rows
+
+    def peer_rows(self, peer: str, mode: str, spec: RankSpec, names, through, fixed) -> list[Row]:
+        """A peer as an engine uses it, on the originals and on the view; InstantTensor (on CUDA
+        only) in its default configuration and its best for the mode with the rank's tensors."""
+        if peer == "instanttensor" and self.config.device == "cpu":
+            return []
+        configs = [("default", {})]
+        if peer == "instanttensor":
+            best = INSTANTTENSOR_BEST[mode]
+            configs.append((f"{best or 'default'}, rank's tensors", {"backend": best, "filtered": True, "names": names}))
+        rows = []
+        for config, extra in configs:
+            if "peers" in self.config.paths:
+                rows.append(Row(f"{peer} ({config})", "load",
+                                fixed(self.load_args(self.config.checkpoint, spec, peer, **extra))))
+            if "peers-on-view" in self.config.paths:
+                rows.append(Row(f"{peer} ({config}) on the view", "load", through(source=peer, **extra), spec))
+        return rows
 
 
 def hook_env_variants(text: str) -> tuple[dict, ...]:
@@ -348,69 +339,7 @@ def hook_env_variants(text: str) -> tuple[dict, ...]:
     return tuple(variants)
 
 
-def median_run(runs: list[dict]) -> dict:
-    """The run of median time (of two, the faster), every run's seconds and digests in it; the
-    last run where none has a time (each failed)."""
-    timed = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
-    if not timed:
-        return runs[-1]
-    median = timed[(len(timed) - 1) // 2]
-    median["runs_seconds"] = [r["seconds"] for r in timed]
-    median["runs_weights_sha256"] = sorted({r["weights_sha256"] for r in timed if "weights_sha256" in r})
-    return median
-
-
-BITWISE = {True: "equal", False: "DIFFER", None: "-"}  # a row's weights against the original shards'
-
-
-def table(result: dict) -> str:
-    lines = [f"\n{result['case']}: {result['spec']}",
-             f"{'mode':<5} {'path':<44} {'s':>6} {'GB/s':>6} {'x limit':>7} {'TTFB s':>6} {'steady':>6} "
-             f"{'waited':>6} {'copy thr':>8} {'CPU s':>11} "
-             f"{'release s':>9} {'loader RSS':>10} {'daemon RSS':>10} {'hook pinned':>11} {'hook GPU':>10} "
-             f"{'cache left':>10} {'runs s':>11} {'bitwise':>7}"]
-    mib = lambda n: f"{n / 2**20:6.0f} MiB" if n else f"{'-':>10}"  # noqa: E731
-    spread = lambda r: (f"{min(r['runs_seconds']):.2f}-{max(r['runs_seconds']):.2f}"  # noqa: E731
-                        if len(r.get("runs_seconds", ())) > 1 else "-")
-    bound = lambda r: (f"{r['waited']:6.2f} {r['copying'] / r['seconds']:8.1f}" if r.get("copying")  # noqa: E731
-                       else f"{'-':>6} {'-':>8}")  # the limits copy nothing
-    cpu = lambda r: (f"{r['cpu_seconds']:.1f}" + (f"+{r['daemon_cpu_seconds']:.1f}"  # noqa: E731
-                                                  if "daemon_cpu_seconds" in r else "")) if "cpu_seconds" in r else "-"
-    for r in result["rows"]:
-        if "error" in r:
-            lines.append(f"{r['mode']:<5} {r['path']:<44} error: {r['error']}")
-            continue
-        release = r.get("release") or {}
-        lines.append(f"{r['mode']:<5} {r['path']:<44} {r['seconds']:6.2f} {r['gb_per_s']:6.2f} "
-                     f"{r.get('ratio_to_limit', float('nan')):7.2f} {r['ttfb'] or float('nan'):6.2f} "
-                     f"{r['steady_gb_per_s'] or float('nan'):6.2f} {bound(r)} {cpu(r):>11} {r.get('release_seconds', float('nan')):9.2f} "
-                     f"{mib(r['peak_rss']):>10} "
-                     f"{mib(r.get('daemon_peak_rss')):>10} {mib(release.get('peak_host_bytes')):>11} "
-                     f"{mib(release.get('peak_device_bytes')):>10} {mib(max(0, r['cached_after'])):>10} "
-                     f"{spread(r):>11} {BITWISE[r.get('bitwise')]:>7}")
-    return "\n".join(lines)
-
-
-def plot(results: list[dict], path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    panels = [(result, mode) for result in results for mode in sorted({r["mode"] for r in result["rows"]})]
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
-    for ax, (result, mode) in zip(axes[0], panels):
-        for r in result["rows"]:
-            if r["mode"] == mode and r.get("timeline"):
-                t, b = zip(*r["timeline"])
-                ax.plot(t, [x / 1e9 for x in b], label=r["path"])
-        ax.set_title(f"{result['case']} ({mode}): {result['spec']}", fontsize=9)
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("GB loaded")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python3 -m dev bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gb", type=float, default=None,
                    help="checkpoint size, GB (default: 24 with --device cuda, else 8)")
@@ -439,6 +368,11 @@ def main(argv=None) -> int:
                    help="run the hook's rows once per variant, in the same rounds: variants separated by ';', "
                         "each NAME=VALUE[,NAME=VALUE] of RANKFS_HOOK_* variables, an empty one for the defaults "
                         "(e.g. 'RANKFS_HOOK_THREADS=8;RANKFS_HOOK_THREADS=16'; default: the defaults only)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     try:
         hook_variants = hook_env_variants(args.hook_env)
@@ -447,8 +381,7 @@ def main(argv=None) -> int:
     # A run stopped by `timeout` or kill unwinds as Ctrl-C does: the row's mount is unmounted on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     # The hook's modules are imported at a load's first rankfs open, inside the clock: compiled ahead, as
-    # pip compiles an installed rankfs, not from source in each row's process (PYTHONDONTWRITEBYTECODE,
-    # or a tree without __pycache__: 55 ms of the first open on the 2-core VM).
+    # pip compiles an installed rankfs, not from source in each row's process.
     compileall.compile_dir(rankfs.__path__[0], quiet=1, rx=re.compile(r"/\."))  # not .device/ and the like
     size = args.size_gb or (24.0 if args.device != "cpu" else 8.0)
     workdir = Path(args.workdir)
@@ -474,10 +407,10 @@ def main(argv=None) -> int:
         for folder in (profiles, traces):
             if folder is not None:
                 folder.mkdir(exist_ok=True)
-        bench = Bench(source, workdir, args.device, [p for p in args.peers.split(",") if p],
-                      set(args.paths.split(",")), lambda line: print(line, flush=True), out / "rows.jsonl",
-                      profiles, tuple(args.mount_args.split()), args.repeat, traces, args.profile or "idle",
-                      hook_variants)
+        bench = Bench(BenchConfig(
+            source, workdir, args.device, tuple(p for p in args.peers.split(",") if p),
+            frozenset(args.paths.split(",")), out / "rows.jsonl", tuple(args.mount_args.split()), args.repeat,
+            profiles, args.profile or "idle", traces, hook_variants, log=lambda line: print(line, flush=True)))
         try:
             results += [bench.case(name, mode_group) for name in args.cases.split(",")]
         finally:
