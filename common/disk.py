@@ -25,6 +25,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc_holding_gil = ctypes.PyDLL(None, use_errno=True)  # for calls shorter than taking the GIL back
 _libc_holding_gil.madvise.argtypes = _libc.madvise.argtypes
+_libc_holding_gil.mincore.argtypes = _libc.mincore.argtypes
 CACHED_SHORT_BYTES = 1 << 20  # cached pages mapped in with the GIL held: tens of microseconds
 _MAP_FAILED = ctypes.c_void_p(-1).value
 RESIDENT_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte, the rest reserved
@@ -193,11 +194,20 @@ class OpenFile:
         holds = page_cache_holds(self.fd, begin, end)
         return holds if holds is not None else 0 not in self._residency(begin, end)
 
-    def _residency(self, begin: int, end: int) -> bytes:
-        """Per page of [begin, end) (whole pages): 1 if it is in the page cache."""
+    def readable(self, begin: int, end: int) -> bool:
+        """Whether every page of [begin, end) is in the page cache and up to date (mincore), so that
+        touching it cannot fail: cachestat counts a page whose read failed too."""
+        if self._map is None or end > self._size or end <= begin:
+            return False
+        begin, end = covering_pages(begin, end)
+        return 0 not in self._residency(begin, end, holding_gil=end - begin <= CACHED_SHORT_BYTES)
+
+    def _residency(self, begin: int, end: int, holding_gil: bool = False) -> bytes:
+        """Per page of [begin, end) (whole pages): 1 if it is in the page cache, up to date (the GIL
+        kept for the call where `holding_gil`: see `madvise`)."""
         pages = (end - begin) // PAGE
         vector = ctypes.create_string_buffer(pages)
-        if _libc.mincore(self._map + begin, pages * PAGE, vector) != 0:
+        if _libc_for(holding_gil).mincore(self._map + begin, pages * PAGE, vector) != 0:
             raise _os_error(f"{self.path}: mincore")
         return vector.raw.translate(RESIDENT_BIT)
 

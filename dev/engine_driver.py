@@ -8,6 +8,7 @@ JOBS_JSON: [{"directory", "phase": "target"|"draft", "layout": MoELayout fields,
 group: experts}, "device": "cpu" (default) or "cuda", "uncache": [files to drop from the page cache
 first]}, ...], loaded in order in this one process. ENGINE_DRIVER_STAGE_ON=host: the hook stages as
 it does on a GPU (bounce buffers into device slabs), host memory standing in for the GPU's.
+ENGINE_DRIVER_PLUGINS=1: vLLM's general plugins are loaded first, as vLLM's processes do.
 Prints one JSON line per load: the parameters' digests, the seconds it took, the releases the hook
 had made when the load returned (with their figures), whether the garbage collector ran inside the
 load and after it, the process's threads, and on a GPU what CUDA's allocator holds once it returned
@@ -17,6 +18,8 @@ against the parameters' bytes.
 from __future__ import annotations
 
 import gc
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import sys
@@ -55,7 +58,13 @@ class TinyMoE(torch.nn.Module):
 
 def stand_in_for_torchvision():
     """sglang.srt.model_loader.loader imports torchvision at module level and never calls it on this
-    path; the registry's torchvision is built for a CUDA torch and fails to import beside a CPU one."""
+    path; the registry's torchvision is built for a CUDA torch and fails to import beside a CPU one:
+    where it does, an import-only stand-in takes its place."""
+    try:
+        import torchvision  # noqa: F401
+        return
+    except Exception:
+        pass
     import transformers  # noqa: F401  first: it decides once that torchvision is absent
     vision = types.ModuleType("torchvision")
     vision.transforms = types.ModuleType("torchvision.transforms")
@@ -66,8 +75,53 @@ def stand_in_for_torchvision():
                         "torchvision.transforms.functional": vision.transforms.functional})
 
 
+class _StandIn:
+    """A name of a module that is not installed: its attributes are stand-ins too; called, it says so."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return _StandIn(f"{self._name}.{attribute}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name} is a stand-in: sgl_kernel is not installed")
+
+
+class _StandInKernels(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """sgl_kernel and its submodules as import-only stand-ins (`_StandIn` names)."""
+
+    def find_spec(self, name, path, target=None):
+        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = lambda attribute: _StandIn(f"{spec.name}.{attribute}") \
+            if not attribute.startswith("__") else (_ for _ in ()).throw(AttributeError(attribute))
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def stand_in_for_sgl_kernel():
+    """With CUDA, SGLang's quantization modules import sgl_kernel's CUDA kernels at module level,
+    which its loader never calls on this path; where the package is not installed, stand-ins."""
+    try:
+        import sgl_kernel  # noqa: F401
+    except ImportError:
+        sys.meta_path.insert(0, _StandInKernels())
+
+
 def sglang():
     stand_in_for_torchvision()
+    if torch.cuda.is_available():
+        stand_in_for_sgl_kernel()
     from sglang.srt import runtime_context
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -89,6 +143,9 @@ def sglang():
 
 def vllm(directories: list[str]):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if os.environ.get("ENGINE_DRIVER_PLUGINS"):  # as each vLLM process does at its start
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
     from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     # vLLM builds every model config (target and draft) before it loads any.

@@ -56,10 +56,38 @@ def _columns(width: int):
             os.environ["COLUMNS"] = before
 
 
+def api_section() -> str:
+    """rankfs.mount.api as its signatures and docstrings say."""
+    import dataclasses
+    import inspect
+
+    from rankfs.mount import api
+
+    def doc(thing) -> str:
+        return " ".join(inspect.getdoc(thing).split("\n\n")[0].split())
+
+    lines = [inspect.getdoc(api).split("\n\n")[0], "", "```python",
+             f"rankfs.mount(checkpoint, mountpoint, **options) -> Mount   # options: "
+             f"{', '.join(p for p in inspect.signature(api.mount_config).parameters if p not in ('checkpoint', 'mountpoint'))}",
+             "rankfs.attach(path) -> Mount", "```", "",
+             "Each option is the `rankfs mount` flag of the same name (`local_ranks`: 'all' or a list of ranks; "
+             "`fuse_options`: a list of libfuse options).", "", f"- `mount`: {doc(api.mount)}",
+             f"- `attach`: {doc(api.attach)}", f"- `Mount`: {doc(api.Mount)}"]
+    for name in ("status", "drop", "unmount"):
+        lines.append(f"  - `Mount.{name}{inspect.signature(getattr(api.Mount, name))}`"
+                     + (f": {doc(getattr(api.Mount, name))}" if inspect.getdoc(getattr(api.Mount, name)) else ""))
+    for cls in (api.MountStatus, api.ViewStatus):
+        fields = ", ".join(f.name for f in dataclasses.fields(cls))
+        lines.append(f"- `{cls.__name__}`: {doc(cls) + ' ' if cls.__doc__ else ''}fields {fields}")
+    lines.append(f"- `MountError`: {doc(api.MountError)}")
+    return "\n".join(lines)
+
+
 def _render() -> str:
     parts = [INTRODUCTION, "## rankfs\n", "```", command_help([]).rstrip(), "```\n"]
     for command in COMMANDS:
         parts += [f"## rankfs {command}\n", "```", command_help([command]).rstrip(), "```\n"]
+    parts += ["## Python API\n", api_section(), ""]
     parts += ["## The hook's settings (environment)\n",
               "Read by `rankfs run` and by `rankfs.loader.activate()` in the engine's processes; a value "
               "it cannot use stops the hook with a message naming the variable.\n", settings_table(), ""]

@@ -24,7 +24,7 @@ import torch
 from rankfs.loader.context import MappingContext
 from rankfs.loader.files import RankfsFile
 from rankfs.common.disk import (CACHED_SHORT_BYTES, MADV_POPULATE_READ, covering_pages, inner_pages, madvise,
-                                merge_adjacent, willneed_pieces)
+                                merge_adjacent, page_cache_holds, willneed_pieces)
 
 log = logging.getLogger("rankfs.hook")
 
@@ -43,6 +43,9 @@ class MappedFile(RankfsFile):
         self._let_go: list[tuple[str, int, int]] = []  # let go, still mapped in: (path, begin, end)
         self._let_go_bytes = 0
         self._reserved: set[int] = set()  # groups whose read-ahead holds their unfreed bytes
+        self._pieces_left: dict[int, int] = {}  # per group read ahead: its pieces not yet read
+        self._unverified: set[int] = set()  # groups a piece of which was not read here: cached already, or failed
+        self._closed = False
         self._lock = threading.Lock()
         self._futures: list[Future] = [context.executor.submit((path, g), self._read_ahead, g, self._unfreed[g],
                                                                 cost=self._unfreed[g])
@@ -54,7 +57,8 @@ class MappedFile(RankfsFile):
         path = self._placement[name][0].path
         if path not in self._maps:  # kept here: the tensors may outlive the hook's release
             self._maps[path] = np.frombuffer(self._files.source_map(path), np.uint8)
-        self._readable(name, path, offset, nbytes)
+        if self._pieces_left.get(group) != 0 or group in self._unverified:  # else all its pages were read here
+            self._readable(name, path, offset, nbytes)
         base = self._maps[path][offset:offset + nbytes]  # an array of its own: its death is the tensor's
         weakref.finalize(base, self._freed_by_loader, name, group, path, offset, nbytes).atexit = False
         with self._lock:
@@ -66,11 +70,13 @@ class MappedFile(RankfsFile):
         return tensor.reshape(self.resident_shape(name))
 
     def _readable(self, name: str, path: str, offset: int, nbytes: int):
-        """A page of a map that the disk cannot give is a SIGBUS in whichever thread touches it: a
-        tensor's pages are mapped in here (MADV_POPULATE_READ: the read-ahead's, in flight, waited
+        """A page of a map that the disk cannot give is a SIGBUS in whichever thread touches it: the
+        pages of a tensor whose group was not read ahead whole, and that are not all up to date in
+        the page cache, are mapped in here (MADV_POPULATE_READ: the read-ahead's, in flight, waited
         for; those it could not read, read again), so that a failing source is an error naming the
-        file and tensor. The page cache's own count cannot tell: a page whose read failed stays in
-        it, not up to date."""
+        file and tensor."""
+        if self._placement[name][0].readable(offset, offset + nbytes):
+            return
         start, stop = covering_pages(offset, offset + nbytes)
         try:
             madvise(self._maps[path].ctypes.data + start, stop - start, MADV_POPULATE_READ,
@@ -80,6 +86,7 @@ class MappedFile(RankfsFile):
                                      f"failed: {exc.strerror}") from None
 
     def close(self):
+        self._closed = True
         for future in self._futures:
             future.cancel()
         with self._lock:
@@ -106,18 +113,29 @@ class MappedFile(RankfsFile):
                                for n in names for offset, nbytes in [self.span(n)])
         pieces = [(fd, piece, size) for (fd, path), begin, end in spans
                   for piece, size in willneed_pieces(begin, end - begin, self._files.link.willneed_reach[path])]
+        with self._lock:
+            self._pieces_left[group] = len(pieces)
         for i, piece in enumerate(pieces):
-            self._load_context.executor.submit((self.path, group, i), self._read_piece, *piece)
+            self._load_context.executor.submit((self.path, group, i), self._read_piece, group, *piece)
 
-    def _read_piece(self, fd: int, offset: int, length: int):
-        if self._view.fd < 0:  # closed: the loader took what it wanted
-            return
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    def _read_piece(self, group: int, fd: int, offset: int, length: int):
         try:
+            if self._closed:  # the loader took what it wanted
+                return
+            if page_cache_holds(fd, offset, offset + length):  # nothing to read ahead; not read, not verified
+                with self._lock:
+                    self._unverified.add(group)
+                return
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             os.pread(fd, 1, offset + length - 1)  # returns once the piece's last page is read
-        except OSError as exc:  # the loader's fault on it will fail too: say where
+        except OSError as exc:  # the loader's tensors of it are read where they are handed out, and fail by name
             log.error("rankfs hook: %s: reading bytes %d-%d of a source failed: %s", self.path,
                       offset, offset + length, exc)
+            with self._lock:
+                self._unverified.add(group)
+        finally:
+            with self._lock:
+                self._pieces_left[group] -= 1
 
     # -- the loader lets go ---------------------------------------------------------------------
 

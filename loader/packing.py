@@ -5,10 +5,10 @@ of runs that share or touch pages, as the whole pages a window maps (rankfs.load
 
 from __future__ import annotations
 
-import bisect
 from typing import NamedTuple
 
 from rankfs.common.disk import PAGE, OpenFile, align_down, align_up, covering_pages
+from rankfs.plan.extents import tensors_at
 
 RUN_BYTES = 16 << 20  # one read: large enough for the disk's full rate, small enough to spread over threads
 
@@ -25,9 +25,7 @@ class Run(NamedTuple):
 
     def tensors_at(self, begin: int, end: int) -> str:
         """Its tensors with bytes in [begin, end) of the file, for messages: 'a', 'b'."""
-        first = max(0, bisect.bisect_right(self.starts, begin) - 1)
-        last = max(bisect.bisect_left(self.starts, end), first + 1)
-        return ", ".join(repr(name) for name in self.names[first:last])
+        return tensors_at(self.starts, self.names, begin, end)
 
     def pieces(self, nbytes: int = RUN_BYTES) -> list["Run"]:
         """The run as reads of nbytes at most, cut at pages of the file (a direct read of one

@@ -100,6 +100,11 @@ def activate_dormant(settings: HookSettings):
     _settings = settings
 
 
+def dormant_settings() -> HookSettings | None:
+    """The settings installed (None: the hook is off or not installed)."""
+    return _settings
+
+
 def deactivate():
     """Put the stock safe_open back and forget the hook (its memory must have been released)."""
     global _settings, _hook

@@ -4,11 +4,11 @@ costs an engine's start-up little more than starting Python once."""
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import sys
 
 from rankfs.common.contract import GIB
-from rankfs.mount.exits import EXIT_OK, EXIT_SYSTEM, EXIT_USAGE, UsageError, fail, warn
+from rankfs.mount.exits import EXIT_FAILURE, EXIT_OK, EXIT_SYSTEM, EXIT_USAGE, UsageError, fail, say, warn
 
 EPILOG = """exit codes (those of mount(8)):
   0    success
@@ -57,6 +57,9 @@ def _layout_flags(q, one_rank: bool):
                         "(default: sglang)")
     g.add_argument("--n-experts", type=int, metavar="K", help="routed experts per layer (default: config.json)")
     g.add_argument("--profile", help="model family (default: detected from config.json; see 'rankfs profiles')")
+    g.add_argument("--revision", metavar="REV",
+                   help="with a Hugging Face repo id: the branch, tag or commit of the cached snapshot "
+                        "(default: main)")
     _switch(g, "--allow-outside-symlinks",
             help="serve files whose symlinks point outside the checkpoint directory, as in a Hugging "
                  "Face cache snapshot (default: refused)")
@@ -97,7 +100,8 @@ def parser():
                        description="Mount CHECKPOINT's per-rank views at MOUNTPOINT (target/ and draft/). "
                                    "Returns once the views can be read; the daemon stays in the "
                                    "background until 'rankfs umount'.")
-    q.add_argument("checkpoint", help="the checkpoint directory (config.json, *.safetensors)")
+    q.add_argument("checkpoint", help="the checkpoint directory (config.json, *.safetensors), or a Hugging Face "
+                                      "repo id (ORG/NAME) whose snapshot the local cache holds")
     q.add_argument("mountpoint", help="an existing, empty directory")
     _layout_flags(q, one_rank=True)
     g = q.add_argument_group("serving")
@@ -156,7 +160,7 @@ def parser():
     q = sub.add_parser("plan", help="print each rank's views (headers only, nothing mounted)",
                        description="Per rank and view: files, tensors, bytes read from disk, bytes "
                                    "the rank keeps, and the bytes kept from its largest file.")
-    q.add_argument("checkpoint")
+    q.add_argument("checkpoint", help="the checkpoint directory, or a Hugging Face repo id the local cache holds")
     _layout_flags(q, one_rank=False)
     _switch(q, "--json", help="a JSON list of rows")
 
@@ -174,62 +178,37 @@ def parser():
     return p
 
 
-def _specs(args) -> tuple:
-    from rankfs.plan.spec import RankSpec
-    common = dict(tp_size=args.tp_size, ep_size=args.ep_size, tp_slice=args.tp_slice,
-                  placement=args.placement, n_experts=args.n_experts)
-    if not hasattr(args, "local_ranks"):  # plan
-        ranks = [args.rank] if args.rank is not None else range(args.tp_size)
-    elif args.local_ranks:
-        if args.tp_rank is not None:
-            raise UsageError("give --tp-rank or --local-ranks, not both")
-        ranks = range(args.tp_size) if args.local_ranks == "all" else _int_list(args.local_ranks)
-    elif args.tp_rank is None:
-        raise UsageError("--tp-rank (or --local-ranks) is required")
-    else:
-        ranks = [args.tp_rank]
-    return tuple(RankSpec(tp_rank=r, **common) for r in ranks)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--local-ranks: expected 'all' or a list like 0,1,2,3, got {text!r}") from None
-
-
 def cmd_mount(args) -> int:
-    from rankfs.common import limits
-    from rankfs.mount.config import MountConfig, default_budget_bytes
-    from rankfs.mount.launch import default_log, mount
-    mountpoint = os.path.abspath(args.mountpoint)
-    options = [o for opts in args.options for o in opts.split(",") if o]
-    allow_other = args.allow_other or "allow_other" in options
-    log_file = args.log or (None if args.foreground else str(default_log(mountpoint)))
-    available = limits.available_memory()
-    budget = int(args.inflight_gb * GIB) if args.inflight_gb else default_budget_bytes(available)
-    if budget > available:
-        raise UsageError(f"--inflight-gb {args.inflight_gb:g} is more than the {available / GIB:.2f} GiB this "
-                         "process may still use (its cgroup's memory limit less what it uses, or the host's "
-                         "available memory); give less, or leave it out to size it from that")
-    config = MountConfig(
-        checkpoint=os.path.abspath(args.checkpoint), mountpoint=mountpoint, specs=_specs(args),
-        budget_bytes=budget, profile=args.profile, workers=args.workers, direct_io=args.direct_io,
-        push=args.push, push_threads=args.push_threads, readahead_kb=args.readahead_mb * 1024,
-        allow_other=allow_other,
-        allow_outside_symlinks=args.allow_outside_symlinks,
-        fuse_options=tuple(o for o in options if o != "allow_other"), debug_fuse=args.debug_fuse,
-        trace_file=args.trace and os.path.abspath(args.trace), log_file=log_file)
-    code = mount(config, args.foreground)
-    if code == EXIT_OK and args.progress and not args.foreground:
+    from rankfs.mount.api import mount_config
+    from rankfs.mount.launch import MountError, serve_in_foreground, start
+    config = mount_config(
+        args.checkpoint, args.mountpoint, tp_size=args.tp_size, tp_rank=args.tp_rank, local_ranks=args.local_ranks,
+        ep_size=args.ep_size, tp_slice=args.tp_slice, placement=args.placement, n_experts=args.n_experts,
+        profile=args.profile, revision=args.revision, inflight_gb=args.inflight_gb, workers=args.workers,
+        readahead_mb=args.readahead_mb, direct_io=args.direct_io, push=args.push, push_threads=args.push_threads,
+        allow_other=args.allow_other, allow_outside_symlinks=args.allow_outside_symlinks,
+        fuse_options=[o for opts in args.options for o in opts.split(",")], debug_fuse=args.debug_fuse,
+        trace=args.trace, log=args.log)
+    try:
+        if args.foreground:
+            return serve_in_foreground(config if args.log else dataclasses.replace(config, log_file=None))
+        pid, ready = start(config)
+    except MountError as exc:
+        return fail(str(exc), EXIT_FAILURE)
+    say(f"{ready} (daemon pid {pid}, log {config.log_file})")
+    if args.progress:
         from rankfs.mount.status_view import watch_until
-        return watch_until(mountpoint, until_loaded=True)
-    return code
+        return watch_until(config.mountpoint, until_loaded=True)
+    return EXIT_OK
 
 
 def cmd_umount(args) -> int:
-    from rankfs.mount.launch import umount
-    return umount(args.mountpoint, args.lazy, args.force)
+    from rankfs.mount.launch import MountError, unmount
+    try:
+        say(unmount(args.mountpoint, args.lazy, args.force))
+    except MountError as exc:
+        return fail(str(exc), EXIT_FAILURE)
+    return EXIT_OK
 
 
 def cmd_status(args) -> int:
@@ -243,10 +222,15 @@ def cmd_drop(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from rankfs.mount.api import rank_specs, resolve_checkpoint
     from rankfs.plan.checkpoint import Checkpoint
     from rankfs.plan.layout import plan_ranks
-    checkpoint = Checkpoint.open(args.checkpoint, args.allow_outside_symlinks)
-    layouts = plan_ranks(checkpoint, _specs(args), args.profile)
+    directory, from_hub = resolve_checkpoint(args.checkpoint, args.revision)
+    checkpoint = Checkpoint.open(directory, args.allow_outside_symlinks or from_hub)
+    ranks = [args.rank] if args.rank is not None else range(args.tp_size)
+    specs = [spec for rank in ranks for spec in rank_specs(args.tp_size, rank, None, args.ep_size, args.tp_slice,
+                                                           args.placement, args.n_experts)]
+    layouts = plan_ranks(checkpoint, specs, args.profile)
     for warning in layouts[0].warnings:
         warn(warning)
     rows = [row for layout in layouts for row in layout.summary()]

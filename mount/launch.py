@@ -1,5 +1,5 @@
-"""`rankfs mount` and `rankfs umount`: starting the daemon and waiting until its views can be read;
-unmounting, and waiting until the daemon has ended."""
+"""Starting the daemon and waiting until its views can be read; unmounting, and waiting until the
+daemon has ended (rankfs.mount.api and the command line are built on these)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 from rankfs.common import contract
 from rankfs.mount import kernel
 from rankfs.mount.config import MountConfig
-from rankfs.mount.exits import EXIT_FAILURE, EXIT_OK, fail, say
 
 DAEMON_EXIT_SECONDS = 30.0
 
@@ -36,15 +35,26 @@ def check_mountpoint(mountpoint: str) -> str | None:
     return None
 
 
-def mount(config: MountConfig, foreground: bool) -> int:
+class MountError(OSError):
+    """A mount or unmount that failed, or a path that is not a live rankfs mount; the message says why."""
+
+
+def serve_in_foreground(config: MountConfig) -> int:
+    """Mount and serve in this process until unmounted (`rankfs mount --foreground`)."""
     problem = check_mountpoint(config.mountpoint)
     if problem:
-        return fail(f"{config.mountpoint}: {problem}", EXIT_FAILURE)
-    if foreground:
-        from rankfs.mount.daemon import serve
-        logging.basicConfig(filename=config.log_file, level=logging.INFO,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        return serve(config, None)
+        raise MountError(f"{config.mountpoint}: {problem}")
+    from rankfs.mount.daemon import serve
+    logging.basicConfig(filename=config.log_file, level=logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return serve(config, None)
+
+
+def start(config: MountConfig) -> tuple[int, str]:
+    """Start the daemon and wait until its views can be read: (its pid, its ready line)."""
+    problem = check_mountpoint(config.mountpoint)
+    if problem:
+        raise MountError(f"{config.mountpoint}: {problem}")
     Path(config.log_file).parent.mkdir(parents=True, exist_ok=True)
     read_end, write_end = os.pipe()
     with open(config.log_file, "ab") as log_out:
@@ -56,45 +66,41 @@ def mount(config: MountConfig, foreground: bool) -> int:
         answer = pipe.readline().strip()
     if not answer.startswith("ready"):
         child.wait(timeout=30)
-        detail = answer.removeprefix("error: ") or \
-            f"the daemon exited with {child.returncode}; see {config.log_file}"
-        return fail(detail, EXIT_FAILURE)
-    say(f"{answer} (daemon pid {child.pid}, log {config.log_file})")
-    return EXIT_OK
+        raise MountError(answer.removeprefix("error: ") or
+                         f"the daemon exited with {child.returncode}; see {config.log_file}")
+    return child.pid, answer
 
 
-def umount(mountpoint: str, lazy: bool, force: bool) -> int:
+def unmount(mountpoint: str, lazy: bool = False, force: bool = False) -> str:
+    """Unmount and wait for the daemon to end; returns what was done."""
     mountpoint = os.path.abspath(mountpoint)
     entry = contract.find_mount(mountpoint)
     if entry is None:
-        return fail(f"{mountpoint}: not mounted", EXIT_FAILURE)
+        raise MountError(f"{mountpoint}: not mounted")
     if entry.fstype != contract.FSTYPE:
-        return fail(f"{mountpoint}: not a rankfs mount", EXIT_FAILURE)
+        raise MountError(f"{mountpoint}: not a rankfs mount")
     if force and not kernel.abort(entry):  # before anything touches the mount: a hung daemon would hang us too
-        return fail(f"{mountpoint}: could not abort the FUSE connection (needs root, or fusectl)", EXIT_FAILURE)
+        raise MountError(f"{mountpoint}: could not abort the FUSE connection (needs root, or fusectl)")
     state = kernel.health(mountpoint)
     pid = contract.read_status(mountpoint)["pid"] if state == "alive" else None
     result = kernel.unmount(mountpoint, lazy=lazy or force)
     if result.returncode != 0:
         message = (result.stderr or result.stdout).strip()
         if "busy" in message.lower():
-            return fail(f"{mountpoint}: busy: files on it are still open or mapped (an engine still "
-                        f"loading?). Stop them, or detach now with 'rankfs umount --lazy {mountpoint}'",
-                        EXIT_FAILURE)
-        return fail(f"{mountpoint}: unmount failed: {message}", EXIT_FAILURE)
+            raise MountError(f"{mountpoint}: busy: files on it are still open or mapped (an engine still "
+                             f"loading?). Stop them, or detach now with 'rankfs umount --lazy {mountpoint}'")
+        raise MountError(f"{mountpoint}: unmount failed: {message}")
     if force:
-        say(f"unmounted {mountpoint} (its FUSE connection aborted; detached)")
-    elif state == "dead":
-        say(f"unmounted {mountpoint} (its daemon had died)")
-    elif lazy:
-        say(f"unmounted {mountpoint} (detached; the daemon ends when the last open file closes)")
-    elif pid and not wait_gone(pid, DAEMON_EXIT_SECONDS):
+        return f"unmounted {mountpoint} (its FUSE connection aborted; detached)"
+    if state == "dead":
+        return f"unmounted {mountpoint} (its daemon had died)"
+    if lazy:
+        return f"unmounted {mountpoint} (detached; the daemon ends when the last open file closes)"
+    if pid and not wait_gone(pid, DAEMON_EXIT_SECONDS):
         os.kill(pid, signal.SIGTERM)
-        return fail(f"unmounted {mountpoint}, but its daemon (pid {pid}) did not exit within "
-                    f"{DAEMON_EXIT_SECONDS:g} s and was sent SIGTERM; see its log", EXIT_FAILURE)
-    else:
-        say(f"unmounted {mountpoint}")
-    return EXIT_OK
+        raise MountError(f"unmounted {mountpoint}, but its daemon (pid {pid}) did not exit within "
+                         f"{DAEMON_EXIT_SECONDS:g} s and was sent SIGTERM; see its log")
+    return f"unmounted {mountpoint}"
 
 
 def wait_gone(pid: int, timeout: float) -> bool:

@@ -21,6 +21,7 @@ class Checkpoint:
     root: Path
     config: dict
     shards: tuple[ShardHeader, ...]  # sorted by file name, as the engines open them
+    shard_names: tuple[str, ...]  # their names in the checkpoint (a symlink's, not its target's)
     shard_sources: tuple[Source, ...]  # the shards' files, as stat'ed when planned
     other_files: tuple[tuple[str, Source], ...]  # config.json, tokenizer files, ... as they are
 
@@ -41,11 +42,11 @@ class Checkpoint:
         if not shard_names:
             raise CheckpointError(root, "no *.safetensors shards")
         shards = tuple(read_header(files[name]) for name in shard_names)
-        _check_names(root, shards, index)
+        _check_names(root, shard_names, shards, index)
         shard_sources = tuple(Source(str(s.path), s.file_size, s.mtime_ns, s.inode) for s in shards)
         others = tuple((n, Source.stat(files[n])) for n in sorted(files)
                        if not n.endswith(".safetensors") and n != INDEX_NAME)
-        return cls(root, config, shards, shard_sources, others)
+        return cls(root, config, shards, tuple(shard_names), shard_sources, others)
 
 
 def _top_level_files(root: Path, allow_outside_symlinks: bool) -> dict[str, Path]:
@@ -91,13 +92,13 @@ def _read_index(root: Path) -> dict[str, str]:
     return weight_map
 
 
-def _check_names(root: Path, shards: tuple[ShardHeader, ...], index: dict[str, str] | None):
+def _check_names(root: Path, names: list[str], shards: tuple[ShardHeader, ...], index: dict[str, str] | None):
     owner: dict[str, str] = {}
-    for shard in shards:
+    for file_name, shard in zip(names, shards):
         for name in shard.tensors:
             if name in owner:
-                raise CheckpointError(shard.path, f"tensor {name!r} is also in {owner[name]}")
-            owner[name] = shard.path.name
+                raise CheckpointError(root / file_name, f"tensor {name!r} is also in {owner[name]}")
+            owner[name] = file_name
     for name, file_name in (index or {}).items():
         if owner.get(name) != file_name:
             raise CheckpointError(root / INDEX_NAME,

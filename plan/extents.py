@@ -71,3 +71,11 @@ def merged(extents: list[Extent]) -> list[Extent]:
                 continue
         runs.append((e, e.length, list(e.marks)))
     return [first._replace(length=length, marks=tuple(marks)) for first, length, marks in runs]
+
+
+def tensors_at(starts, names, begin: int, end: int) -> str:
+    """The tensors with bytes in [begin, end), for messages ('a', 'b'): of tensors `names` that
+    start at `starts` (sorted) and lie side by side."""
+    first = max(0, bisect.bisect_right(starts, begin) - 1)
+    last = max(bisect.bisect_left(starts, end), first + 1)
+    return ", ".join(repr(name) for name in names[first:last])

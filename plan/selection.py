@@ -53,7 +53,7 @@ def classify(checkpoint: Checkpoint, prof: Profile) -> Classified:
     group_ids: dict[str, int] = {}
     groups: list[_Group] = []
     shards = []
-    for shard in checkpoint.shards:
+    for shard, file_name in zip(checkpoint.shards, checkpoint.shard_names):
         entries = sorted(shard.tensors.values(), key=lambda e: writer_order(e.name, e.dtype))
         table = []
         for entry in entries:
@@ -76,7 +76,7 @@ def classify(checkpoint: Checkpoint, prof: Profile) -> Classified:
         columns = list(zip(*table)) if table else [()] * 8
         dtypes = (np.int64, np.int32, np.int32, np.int8, np.int64, np.int64, bool, bool)
         arrays = [np.array(c, dtype=t) for c, t in zip(columns, dtypes)]
-        shards.append(ShardTensors(shard.path.name, shard.data_start, shard.metadata or {},
+        shards.append(ShardTensors(file_name, shard.data_start, shard.metadata or {},
                                    tuple(entries), *arrays))
     return Classified(shards, list(group_ids), groups)
 

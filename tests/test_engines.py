@@ -123,3 +123,13 @@ def test_sources_the_engine_cannot_see_are_read_through_the_view(tiny_checkpoint
     want = {r["phase"]: r["digests"] for r in drive("sglang", [dict(job, directory=str(tiny_checkpoint))
                                                                for job in jobs], {}, [])[0]}
     assert {r["phase"]: r["digests"] for r in reports} == want
+
+
+@pytest.mark.parametrize("switch", [{}, {"VLLM_PLUGINS": ""}, {"RANKFS_HOOK": "off"}])
+def test_vllms_plugin_loader_installs_the_hook_without_rankfs_run(tiny_checkpoint, mounts, switch):
+    """The installed package's vllm.general_plugins entry point: vLLM's own plugin loader puts the
+    hook in (each load released once, bitwise), with no wrapper; VLLM_PLUGINS and RANKFS_HOOK=off
+    leave it out (the stock path, bitwise all the same)."""
+    jobs = jobs_for(tiny_checkpoint, {"ep1-sliced": mounts["ep1-sliced"]})
+    reports, stderr = drive("vllm", jobs, {"ENGINE_DRIVER_PLUGINS": "1", **switch}, [])
+    check(reports, stderr, expect_releases=not switch, collector_paused=not switch)

@@ -20,6 +20,7 @@ from conftest import ROOT, mounted
 from dev.bench.engine_like import shard_files
 from dev.memstate import uncache
 from rankfs.common import contract
+from rankfs.common.disk import PAGE
 from rankfs.plan.safetensors import read_header
 
 pytestmark = pytest.mark.mount
@@ -35,8 +36,10 @@ def failing(tiny_checkpoint, tmp_path):
     entry = header.tensors[tensor]
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
+    # The pages wholly inside the tensor, as a bad sector within it: its neighbours stay readable.
+    begin, end = -(-(header.data_start + entry.begin) // PAGE) * PAGE, (header.data_start + entry.end) // PAGE * PAGE
     server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "faulty_fs.py"), tiny_checkpoint, checkpoint,
-                               os.path.basename(shard), str(header.data_start + entry.begin), str(entry.nbytes)],
+                               os.path.basename(shard), str(begin), str(end - begin)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "ready"

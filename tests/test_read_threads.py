@@ -56,16 +56,6 @@ def test_a_group_read_by_every_free_thread_completes_even_when_all_are_busy_with
     pool.shutdown()
 
 
-def test_cpu_work_runs_on_half_the_cores_and_on_half_the_threads_at_least():
-    """The hook's read threads that may copy out of the page cache at once: the cores left to the
-    loader's own threads bound them, never below half the threads."""
-    cores = len(os.sched_getaffinity(0))
-    for threads in (1, 2, 8, 64):
-        allowed = HookSettings(threads=threads).cpu_work_threads()
-        assert max(1, threads // 2) <= allowed <= threads
-        assert allowed >= min(threads, cores // 2)
-
-
 def test_parts_that_are_cpu_work_run_on_half_the_threads_at_most():
     """Copies out of the page cache take the GIL the loader's loop needs: a group of them runs on
     half the threads at most (the caller of run_all counts), reads on every free thread."""

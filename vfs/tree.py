@@ -15,7 +15,6 @@ or source bytes in chunks the read engine loads.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import stat
 import time
@@ -26,7 +25,7 @@ import trio
 
 from rankfs.common import contract
 from rankfs.plan.checkpoint import INDEX_NAME
-from rankfs.plan.extents import Extent
+from rankfs.plan.extents import Extent, tensors_at
 from rankfs.plan.layout import RankLayout, View, index_json, sources_json
 from rankfs.reader.chunks import ChunkRun, listing_pages, overlapping, split_extent
 from rankfs.reader.engine import ReadEngine
@@ -54,9 +53,7 @@ class Content:
 
     def tensors_at(self, offset: int, end: int) -> str:
         """The tensors with bytes in [offset, end), for messages: 'a', 'b'."""
-        first = max(0, bisect.bisect_right(self.tensor_starts, offset) - 1)
-        last = max(bisect.bisect_left(self.tensor_starts, end), first + 1)
-        return ", ".join(repr(name) for name in self.tensor_names[first:last])
+        return tensors_at(self.tensor_starts, self.tensor_names, offset, end)
 
     def extents_at(self, offset: int, end: int):
         return overlapping(self.extents, self._starts, offset, end)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dev.bench.bench import hook_env_variants
+from dev.bench.bench import hook_env_variants, run_path
 from dev.bench.engine_like import expert_counts, shard_files
 from dev.memstate import cached_bytes, disk_read_bytes, uncache, warm
 from dev.mounting import ROOT, mounted
@@ -54,12 +54,18 @@ def _prepare_sources(args):
         uncache(shard_files(args.checkpoint))
 
 
-def _union_bytes(spans) -> int:
-    """Bytes of (source, begin, end) spans, each page counted once."""
+def _joined(spans) -> list[tuple[int, int, int]]:
+    """(source, begin, end) spans as the whole pages they cover, those that share or touch joined."""
     by_source: dict[int, list] = {}
     for source, begin, end in spans:
         by_source.setdefault(source, []).append((begin, end))
-    return sum(end - begin for pieces in by_source.values() for begin, end in joined_pages(pieces))
+    return [(source, begin, end) for source, pieces in sorted(by_source.items())
+            for begin, end in joined_pages(pieces)]
+
+
+def _union_bytes(spans) -> int:
+    """Bytes of (source, begin, end) spans, each page counted once."""
+    return sum(end - begin for _, begin, end in _joined(spans))
 
 
 def _rank_plans(args, ranks: list[int]) -> dict[int, dict]:
@@ -117,6 +123,13 @@ def load_like(args) -> int:
     if args.device == "cuda":
         modes.insert(1, ("instanttensor", "instanttensor", {"filtered": True}))
     same = True
+    _prepare_sources(args)
+    paths = {i: str(p) for i, p in enumerate(shard_files(args.checkpoint))}
+    union_ranges = [(paths[s], b, e - b) for s, b, e in _joined(span for plan in plans.values() for span in plan["reads"])]
+    limit = run_path("raw", {"ranges": union_ranges, "direct": not args.warm})
+    print(json.dumps({"mode": "limit: O_DIRECT preads of the union" if not args.warm else "limit: preads of the union",
+                      "seconds": round(limit["seconds"], 3), "union_gb": round(union / 1e9, 3),
+                      "gb_per_s": round(union / limit["seconds"] / 1e9, 2)}))
     with mounted(args.checkpoint, args.mountpoint, "--tp-size", args.tp_size, "--ep-size", args.ep_size,
                  *rank_flags) as mnt:
         stock = {}

@@ -1,6 +1,7 @@
-"""What `rankfs run` costs a Python process that never opens a rankfs file: wall time and peak
-resident memory of `rankfs run -- python3 -c pass` against `python3 -c pass`, runs interleaved,
-medians; and the threads the process has when its code starts.
+"""What rankfs costs a Python process that never opens a rankfs file: wall time and peak resident
+memory of `rankfs run -- python3 -c pass` against `python3 -c pass`, runs interleaved, medians; the
+threads the process has when its code starts; and, where vLLM is installed, what its plugin costs a
+vLLM process (vLLM's own plugin loader, the rankfs plugin alone, timed inside the process).
 
     python3 -m dev startup-cost [--runs 41]
 """
@@ -47,7 +48,36 @@ def main(argv=None) -> int:
           f"{(rss['hooked'] - rss['plain']) / 2**20:+6.1f} MiB  (medians of {args.runs}; the launcher's own "
           f"Python start included)")
     print(f"threads in a process under rankfs run that imported safetensors: {threads}")
+    plugin = vllm_plugin_cost(max(5, args.runs // 8))
+    if plugin:
+        print(f"vLLM's plugin loader with the rankfs plugin      {plugin[0] * 1e3:6.1f} ms  (median of "
+              f"{plugin[2]}; threads before / after: {plugin[1]})")
     return 0
+
+
+PLUGIN_PROBE = """
+import os, threading, time
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+import vllm.plugins as plugins
+before = threading.active_count()
+began = time.perf_counter()
+plugins.load_general_plugins()
+print(time.perf_counter() - began, before, threading.active_count())
+"""
+
+
+def vllm_plugin_cost(runs: int) -> tuple[float, str, int] | None:
+    """(seconds, 'threads before / after', runs) of vLLM's general-plugin loading with the rankfs
+    plugin alone (VLLM_PLUGINS=rankfs), vLLM imported first; None without vLLM."""
+    samples = []
+    for _ in range(runs):
+        result = subprocess.run([sys.executable, "-c", PLUGIN_PROBE], capture_output=True, text=True,
+                                env={**os.environ, "VLLM_PLUGINS": "rankfs"})
+        if result.returncode != 0:
+            return None
+        seconds, before, after = result.stdout.split()[-3:]
+        samples.append((float(seconds), f"{before} / {after}"))
+    return statistics.median(s for s, _ in samples), samples[-1][1], runs
 
 
 if __name__ == "__main__":
