@@ -26,7 +26,7 @@ class Chunk:
 
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "requested",
-                 "prefetched", "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed",
+                 "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed",
                  "handed", "signal", "pushed")
 
     def __init__(self, extent: Extent, start: int, length: int):
@@ -44,9 +44,8 @@ class Chunk:
         self.backing: Backing | None = None  # the memory `buffer` lies in
         self.loading: trio.Event | None = None
         self.requested = False  # a loader has read some of it (not only pushes)
-        self.prefetched = -1  # the prefetch pass that last read it
         self.reads = 0  # times read from its source
-        self.stream_pos = -1  # position in its file's stream
+        self.stream_pos = -1  # position in its file's stream (reader.schedule sets both)
         self.file: FileStream | None = None
         self.error: str | None = None  # the last failed read's reason: served as EIO, never as data
         self.file_id = 0  # the virtual file it belongs to (the serving layer's inode)
@@ -109,13 +108,6 @@ class Chunk:
         self.handed = []
         self.pushed = False  # this copy is not
 
-    @property
-    def passed(self) -> bool:
-        """A loader is past it: it read some of it, or there is nothing for it to read (fill), or
-        it was pushed and the loader has asked for a later chunk of its file (a signal page the
-        listing pushed is never asked for)."""
-        return self.requested or self.fill or (self.pushed and self.stream_pos < self.file.reached)
-
     def push_range(self) -> tuple[int, int]:
         """The whole pages a push stores: all but the partial ones and, of a signal chunk, the first
         (the loader's read of it tells the engine how far the file is consumed)."""
@@ -131,7 +123,7 @@ def listing_pages(header_bytes: int, tensor_starts) -> list[int]:
     """The pages a safetensors reader reads as it lists a file, before it copies anything: the
     header's, and the one holding each tensor's first byte (safetensors reads it as it makes the
     tensor). A signal page among them is pushed too: the chunk is passed once the loader reads a
-    later one (`Chunk.passed`). Sorted."""
+    later one (`FileStream.passed`). Sorted."""
     return sorted(set(range(0, align_up(header_bytes), PAGE)) | {align_down(start) for start in tensor_starts})
 
 

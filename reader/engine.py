@@ -264,7 +264,7 @@ class ReadEngine:
     def pushed(self, chunk: Chunk, backing: Backing | None, start: int, end: int,
                times: tuple[float, float, float]):
         """[start, end) of the chunk, pushed from `backing`, is in the kernel's page cache: keep only
-        the edges. The chunk still counts against the budget until the loader is past it (`Chunk.passed`).
+        the edges. The chunk still counts against the budget until the loader is past it (`FileStream.passed`).
         `times`: when the push was asked of a thread, began and ended, for the trace."""
         if chunk.fill:
             self.stats.pushed_fill_bytes += end - start
@@ -343,16 +343,15 @@ class ReadEngine:
                 await self.budget.wait_for_room(CHUNK_BYTES)
                 # Chosen once a read can start: files' consumption may have changed meanwhile.
                 await self._ahead_bytes.wait_for_room(CHUNK_BYTES)
+                # A pass offers each chunk once: a file's cursor only moves on (ViewStream.next_chunk).
                 chunk = view.next_chunk() if view.passes == this_pass else None
-                if chunk is None or chunk.fill or chunk.prefetched == view.passes or chunk.requested \
-                        or chunk.buffer is not None or chunk.loading is not None or chunk.served >= chunk.length:
+                if chunk is None or chunk.fill or chunk.requested or chunk.buffer is not None \
+                        or chunk.loading is not None or chunk.served >= chunk.length:
                     if chunk is None:
                         return
-                    if chunk.fill and chunk.prefetched != view.passes and self._pushing:
-                        chunk.prefetched = view.passes
+                    if chunk.fill and self._pushing:
                         self._pushable_send.send_nowait(chunk)  # nothing to read: pushed at once
-                    continue  # else read this pass, read by the loader, in memory or being read
-                chunk.prefetched = view.passes
+                    continue  # else read by the loader, in memory or being read
                 self.trace.chunk("queued", chunk)
                 self.stats.prefetch_loads += 1
                 self.budget.reserve(self.held.cost(chunk))

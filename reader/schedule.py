@@ -12,7 +12,7 @@ from rankfs.reader.chunks import CHUNK_BYTES, Chunk
 CONSUMING_BYTES = 3 * CHUNK_BYTES
 # One chunk of source bytes in this many is pushed with its first page left out: the loader's read of
 # that page (a request it waits on) tells the engine how far it has consumed the file. The chunks
-# between are passed once the loader asks for a later one (`Chunk.passed`).
+# between are passed once the loader asks for a later one (`FileStream.passed`).
 SIGNAL_EVERY_CHUNKS = 8
 
 
@@ -35,6 +35,12 @@ class FileStream:
     reached: int = 0  # the furthest stream position a loader asked for
     listed: bool = False  # the pages a listing reads were pushed, at its first open (a drop leaves them out)
 
+    def passed(self, chunk: Chunk) -> bool:
+        """A loader is past a chunk of this file: it read some of it, or there is nothing for it to
+        read (fill), or it was pushed and the loader has asked for a later chunk (a signal page the
+        listing pushed is never asked for)."""
+        return chunk.requested or chunk.fill or (chunk.pushed and chunk.stream_pos < self.reached)
+
     def lead(self) -> int:
         return self.cursor - self.frontier
 
@@ -42,7 +48,7 @@ class FileStream:
         """Move the frontier past the chunks a loader has read, and the cursor with it (nothing to
         read ahead where the loader has been); whether it moved."""
         start = self.frontier
-        while self.frontier < len(self.chunks) and self.chunks[self.frontier].passed:
+        while self.frontier < len(self.chunks) and self.passed(self.chunks[self.frontier]):
             self.frontier += 1
         self.cursor = max(self.cursor, self.frontier)
         return self.frontier != start
