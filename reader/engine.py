@@ -23,6 +23,7 @@ import time
 import trio
 
 from rankfs.common.contract import Source
+from rankfs.common.limits import cgroups, memory_room
 from rankfs.plan.extents import Extent
 from rankfs.reader.accounting import Budget, Stats
 from rankfs.reader.buffers import Backing
@@ -44,6 +45,8 @@ PUSH_LAG_CHUNKS = 32
 MIN_PUSH_BYTES = 64 << 10
 # The read-ahead's budget halves each time the kernel evicts what was handed, down to this many chunks.
 PUSHED_FLOOR_CHUNKS = 1
+# How often the read-ahead asks how much room the process's cgroup leaves it.
+PACE_SECONDS = 0.1
 # A view is prefetched once it has served this much: a loader, not a look at a header.
 PREFETCH_AFTER_BYTES = 4 * CHUNK_BYTES
 
@@ -57,6 +60,8 @@ class ReadEngine:
         self.trace = trace or Trace()
         self.views: dict[str, ViewStream] = {}
         self._reader = SourceReader(sources, direct_io)
+        self._cgroups = cgroups()  # this process's, for the room its read-ahead may take
+        self._paced_at = 0.0
         # Read-ahead has its threads, and reads a request waits on theirs: never queued behind it.
         self._ahead_threads = trio.CapacityLimiter(workers)
         self._waited_threads = trio.CapacityLimiter(workers)
@@ -141,21 +146,19 @@ class ReadEngine:
             if edge is not None:
                 return edge, None
         while chunk.buffer is None:
-            if (chunk.loading is None and chunk.served > chunk.listed
-                    and self._reader.maps_chunk(chunk, on_event_loop=True)):
-                remnant = await self._read_remnant(chunk, lo, hi)
+            # Asked for bytes it handed: the kernel evicted them (a page-cache read asks only for
+            # pages it lacks), or a reader past the page cache reads them again.
+            asked_again = chunk.had_handed(lo, hi)
+            evicted = asked_again and chunk.reads and not chunk.on_demand and not direct
+            if (chunk.loading is None and chunk.served > chunk.listed and self._reader.serves_ranges(chunk)
+                    and (evicted or self._reader.maps_chunk(chunk, on_event_loop=True))):
+                remnant = await self._read_remnant(chunk, lo, hi, evicted)
                 if remnant is not None:
                     return remnant
             if chunk.loading is None:
                 self.stats.demand_loads += 1
-                # Asked for bytes it handed: the kernel evicted them (a page-cache read asks only for
-                # pages it lacks), or a reader past the page cache reads them again.
-                asked_again = chunk.had_handed(lo, hi)
-                if asked_again and chunk.reads and not chunk.on_demand and not direct:
-                    self.stats.evicted_reread_bytes += chunk.length
-                    # Pages handed were evicted before the loader read them (memory pressure: a
-                    # cgroup's limit): read ahead less, so that what is pushed stays cached.
-                    self.budget.shrink(floor=PUSHED_FLOOR_CHUNKS * CHUNK_BYTES)
+                if evicted:
+                    self._evicted(chunk.length)
                 self.held.free(chunk)
                 if asked_again:
                     chunk.handed_anew()
@@ -191,18 +194,29 @@ class ReadEngine:
         async for backings in self._replied:
             self.replied(backings)
 
-    async def _read_remnant(self, chunk: Chunk, lo: int, hi: int) -> tuple[memoryview, Backing] | None:
-        """Bytes of a chunk that was let go before the loader read all of it (pushed, then passed,
-        or evicted): only those, from the source's map, not the whole chunk again. None where the
-        map cannot serve them (the chunk read then says why)."""
+    async def _read_remnant(self, chunk: Chunk, lo: int, hi: int,
+                            evicted: bool) -> tuple[memoryview, Backing] | None:
+        """Bytes of a chunk that was let go before the loader read all of it (pushed, then passed),
+        or whose pages the kernel evicted (`evicted`): only those, from the source's map, not the
+        whole chunk again. None where the map cannot serve them (the chunk read then says why)."""
         begin = chunk.source_offset + (lo - chunk.start)
         mapped = await trio.to_thread.run_sync(self._reader.mapped_range, chunk.source, begin, begin + hi - lo,
                                                limiter=self._waited_threads)
         if mapped is None:
             return None
-        self.stats.remnant_bytes += hi - lo
+        if evicted:
+            self.stats.reread_bytes += hi - lo
+            self._evicted(hi - lo)
+        else:
+            self.stats.remnant_bytes += hi - lo
         self.stats.read_bytes[chunk.source] += hi - lo
         return memoryview(mapped), self.held.map_range(chunk.source, begin, begin + hi - lo)
+
+    def _evicted(self, nbytes: int):
+        """Bytes handed were evicted before the loader read them (memory pressure: a cgroup's
+        limit): counted, and the read-ahead goes less far, so that what is pushed stays cached."""
+        self.stats.evicted_reread_bytes += nbytes
+        self.budget.shrink(floor=PUSHED_FLOOR_CHUNKS * CHUNK_BYTES)
 
     def served(self, chunk: Chunk, lo: int, hi: int):
         """Account bytes [lo, hi) of the chunk that a loader's read was answered with."""
@@ -340,6 +354,7 @@ class ReadEngine:
         this_pass = view.passes
         try:
             while view.passes == this_pass:
+                self._pace_to_room()
                 await self.budget.wait_for_room(CHUNK_BYTES)
                 # Chosen once a read can start: files' consumption may have changed meanwhile.
                 await self._ahead_bytes.wait_for_room(CHUNK_BYTES)
@@ -361,6 +376,18 @@ class ReadEngine:
         finally:
             if view.passes == this_pass:
                 view.running = False
+
+    def _pace_to_room(self):
+        """Where a cgroup limits the daemon's memory, read ahead a quarter of what it leaves at
+        most, asked every PACE_SECONDS: the loader in the same cgroup takes more as it goes (its
+        mapped pages), and what is pushed past the room is evicted before it is read."""
+        now = time.monotonic()
+        if now - self._paced_at < PACE_SECONDS:
+            return
+        self._paced_at = now
+        room = memory_room(self._cgroups)
+        if room is not None:
+            self.budget.limit = max(PUSHED_FLOOR_CHUNKS * CHUNK_BYTES, min(self.budget.limit, room // 4))
 
     # -- loading --------------------------------------------------------------------------------
 

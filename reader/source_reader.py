@@ -52,12 +52,17 @@ class SourceReader:
                 opened.close()
             self._files.clear()
 
+    def serves_ranges(self, chunk: Chunk) -> bool:
+        """Whether a range of a chunk may be served from its source's map (read there if need be):
+        one that lies on disk as served, unless every chunk is read into a buffer (--direct-io)."""
+        return chunk.as_on_disk and not self.direct_io
+
     def maps_chunk(self, chunk: Chunk, on_event_loop: bool = False) -> bool:
         """Whether a chunk is served from its source's map (else read into a buffer): one that lies
         on disk as served, where the page cache holds it (or the kernel cannot say). On the event
         loop's thread the GIL is kept for the call (microseconds): letting it go, that thread
         would wait to take it back behind the workers, and every request with it."""
-        if not chunk.as_on_disk or self.direct_io:
+        if not self.serves_ranges(chunk):
             return False
         begin, end = chunk.source_offset, chunk.source_offset + chunk.length
         return page_cache_holds(self.fd(chunk.source), begin, end, holding_gil=on_event_loop) is not False
