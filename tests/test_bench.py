@@ -113,3 +113,24 @@ def test_a_second_load_is_measured_on_the_mount_the_first_one_read(tiny_checkpoi
     stock, first, again = case["rows"]
     assert again["path"] == "rankfs, a second load (a new process)" and first["bitwise"] and again["bitwise"]
     assert first["daemon"]["read_bytes"] < again["daemon"]["read_bytes"] < 2.2 * first["daemon"]["read_bytes"]
+
+
+def test_the_ep_filter_row_reads_what_vllms_filter_keeps(tiny_checkpoint):
+    """The ep-filter row's loader gets every tensor but other EP ranks' expert weights (their scales
+    it gets), by vLLM's own filter, and each tensor it gets equals stock's."""
+    pytest.importorskip("vllm")
+    import torch
+    from dev.bench import sources
+    from dev.bench.engine_like import shard_files
+    files = shard_files(tiny_checkpoint)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    experts = config["n_routed_experts"]
+    stock = dict(sources.stock(files))
+    filtered = dict(sources.ep_filtered(files, experts, 2, 1))
+    owned = range(experts // 2, experts)
+    skipped = {name for name in stock if ".experts." in name and name.endswith(".weight")
+               and int(name.split(".experts.")[1].split(".")[0]) not in owned}
+    assert skipped and set(filtered) == set(stock) - skipped
+    as_bytes = lambda tensor: tensor.reshape(-1).view(torch.uint8)  # noqa: E731  (NaN patterns compare too)
+    assert all(as_bytes(filtered[name]).equal(as_bytes(stock[name])) for name in filtered)
+    assert {name for name, _ in sources.ep_filtered(files, experts, 1, 0)} == set(stock)  # no EP: none skipped

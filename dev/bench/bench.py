@@ -15,6 +15,8 @@ threads into preallocated parameters on --device), fed by the path's source:
                      and the same bytes pushed into FUSE files' page cache: the view's ceiling
     engine ceiling   tensors staged in page-locked memory before the clock: the engine's own cost
     stock            safe_open (mmap) of the original shards
+    ep-filter        the same, skipping other EP ranks' expert weights by vLLM's own weight filter
+                     (--enable-ep-weight-filter; needs vLLM installed)
     rankfs           the same loader on the rank's view, through FUSE
     rankfs-again     the same, a second load by a new process once the first has exited (an engine
                      restarted on the mount), the view's page cache evicted in between
@@ -66,7 +68,7 @@ CASES = {  # name -> (tp_size, tp_rank, ep_size): an EP2 rank (experts whole), a
     "ep1-sliced": (4, 1, 1),
 }
 PEERS = ("instanttensor", "fastsafetensors", "runai")
-PATHS = ("limit", "ceiling", "stock", "rankfs", "rankfs-again", "view-preads", "hook", "hook-alone", "peers",
+PATHS = ("limit", "ceiling", "stock", "ep-filter", "rankfs", "rankfs-again", "view-preads", "hook", "hook-alone", "peers",
          "peers-on-view")
 # InstantTensor's configurations: its default, and its best for the mode (its own guidance).
 INSTANTTENSOR_BEST = {"cold": None, "warm": "URING_BUFFERED", "tmpfs": "MMAP"}
@@ -287,6 +289,10 @@ class Bench:
                             fixed(self.load_args(checkpoint, spec, "staged", names=names))))
         if "stock" in paths:
             rows.append(Row("stock (engine-like, mmap)", "load", fixed(self.load_args(checkpoint, spec))))
+        if "ep-filter" in paths:
+            experts = BY_NAME["deepseek-v4"].expert_count(json.loads((checkpoint / "config.json").read_text()))
+            rows.append(Row("stock + vLLM's EP weight filter", "load",
+                            fixed(self.load_args(checkpoint, spec, "ep-filter", n_experts=experts))))
         through = lambda **extra: (lambda mnt: self.load_args(mnt / "target", spec, **extra))  # noqa: E731
         if "rankfs" in paths:
             rows.append(Row("rankfs", "load", through(), spec))

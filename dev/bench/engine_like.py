@@ -44,12 +44,14 @@ def shard_files(directory) -> list[str]:
     return sorted(glob.glob(os.path.join(os.fspath(directory), "*.safetensors")))
 
 
-def iterate(files: list[str], open_threads: int = 8):
+def iterate(files: list[str], open_threads: int = 8, skip=None):
     """(name, tensor) in file order, each file's tensors by sorted name; up to open_threads + 1
-    files opened ahead, as SGLang's buffered multi-thread iterator does."""
+    files opened ahead, as SGLang's buffered multi-thread iterator does. `skip(name)` leaves a
+    tensor unopened, as an engine's weight filter does before reading."""
     def open_file(path):
         handle = safe_open(path, framework="pt")
-        return handle, [(name, handle.get_tensor(name)) for name in sorted(handle.keys())]
+        names = [name for name in sorted(handle.keys()) if skip is None or not skip(name)]
+        return handle, [(name, handle.get_tensor(name)) for name in names]
 
     with ThreadPoolExecutor(open_threads) as pool:
         pending = [pool.submit(open_file, f) for f in files[:open_threads + 1]]

@@ -53,6 +53,9 @@ def _weights(args: dict):
     kind = args["source"]
     if kind == "stock":
         return sources.stock(files)
+    if kind == "ep-filter":
+        layout = args["layout"]
+        return sources.ep_filtered(files, args["n_experts"], layout["ep_size"], layout["ep_rank"])
     if kind == "staged":
         return sources.Staged(files, set(args["names"]), pin=args["device"] != "cpu")
     if kind == "instanttensor":

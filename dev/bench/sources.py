@@ -2,6 +2,8 @@
 use as load formats, each feeding the same engine-like copies (engine_like.copy_weights).
 
     stock            SGLang's buffered iterator over safe_open (mmap): engine_like.iterate
+    ep-filter        the same, with vLLM's EP weight filter (--enable-ep-weight-filter): its own
+                     should_skip_weight leaves other EP ranks' expert weights unread (scales are read)
     staged           tensors already read into page-locked memory before the clock: reading is free,
                      what is left is the engine's own narrowing and copying (the engine ceiling)
     instanttensor    instanttensor.safe_open over all files at once, into CUDA, as SGLang's
@@ -12,6 +14,9 @@ use as load formats, each feeding the same engine-like copies (engine_like.copy_
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 from safetensors import safe_open
 
@@ -21,6 +26,20 @@ from rankfs.common.disk import anonymous_map
 
 def stock(files: list[str]):
     return iterate(files)
+
+
+def ep_filtered(files: list[str], n_experts: int, ep_size: int, ep_rank: int):
+    """Stock with vLLM's EP weight filter: its own module, loaded alone (vLLM's package import takes
+    seconds and starts work of its own that would share the load's cores and disk)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        raise RuntimeError("the ep-filter row runs vLLM's own weight filter: vLLM is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "model_executor" / "model_loader" / "ep_weight_filter.py"
+    module_spec = importlib.util.spec_from_file_location("vllm_ep_weight_filter", path)
+    vllm_filter = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(vllm_filter)
+    local = vllm_filter.compute_local_expert_ids(n_experts, ep_size, ep_rank)
+    return iterate(files, skip=lambda name: vllm_filter.should_skip_weight(name, local))
 
 
 class Staged:
