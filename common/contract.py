@@ -69,9 +69,12 @@ class Source(NamedTuple):
         return (st.st_size, st.st_mtime_ns, st.st_ino) == (self.size, self.mtime_ns, self.inode)
 
 
-def encode_sources(sources: list[Source], files: dict[str, dict[str, tuple[int, int]]]) -> bytes:
+def encode_sources(sources: list[Source], files: dict[str, dict[str, tuple[int, int]]],
+                   shared: dict[int, list[tuple[int, int]]] | None = None) -> bytes:
     """files: {view file: {tensor: (index into sources, offset of its first byte in that source)}}.
     A tensor's bytes (a slice's included) lie at the same place relative to its start in both.
+    shared: {index into sources: [(begin, end), ...]}, on a mount of several local ranks: the
+    pages of the view's reads that other ranks read too (read those through the page cache).
 
     JSON lines: the first holds the sources and where each view file's line lies, the others one
     view file's tensors each, so that an open decodes its own file's (`SourcesMap`)."""
@@ -82,8 +85,9 @@ def encode_sources(sources: list[Source], files: dict[str, dict[str, tuple[int, 
     for name, line in zip(files, lines):
         spans[name] = [at, len(line)]
         at += len(line)
-    head = json.dumps({"format": SOURCES_FORMAT, "sources": [s._asdict() for s in sources],
-                       "files": spans}).encode() + b"\n"
+    head = json.dumps({"format": SOURCES_FORMAT, "sources": [s._asdict() for s in sources], "files": spans,
+                       "shared": {str(i): [list(run) for run in runs] for i, runs in (shared or {}).items()}}
+                      ).encode() + b"\n"
     return head + b"".join(lines)
 
 
@@ -106,6 +110,9 @@ class SourcesMap:
                                   f"daemon runs another rankfs version")
         self.sources = [Source(**s) for s in body["sources"]]
         self._spans: dict[str, list[int]] = body["files"]
+        # {index into sources: [(begin, end), ...]}: pages other local ranks read too (none: a mount of one rank)
+        self.shared: dict[int, list[tuple[int, int]]] = {int(i): [tuple(run) for run in runs]
+                                                         for i, runs in body.get("shared", {}).items()}
 
     def places(self, view_file: str) -> dict[str, list[int]]:
         """{tensor: [index into sources, offset]} of one view file (KeyError if the view has none)."""

@@ -4,6 +4,7 @@ Standard library only."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import mmap
@@ -150,19 +151,23 @@ class OpenFile:
     their file offset modulo PAGE, with the rest of their first and last pages free to be
     overwritten (`read_into`).
 
-    `shared`: other processes on the host read the same pages (local ranks of one mount): every
-    read goes through the page cache and leaves its pages there, for them; someone else drops them
-    (the mount's daemon, once every rank is done with them)."""
+    `shared`: the pages [(begin, end), ...] other processes on the host read too (local ranks of one
+    mount): a read of any of them goes through the page cache and leaves its pages there, for them;
+    someone else drops them (the mount's daemon, once every rank is done with them). The rest is
+    read direct, as alone. None: no other process reads the file."""
 
-    def __init__(self, path: str, direct: bool = True, shared: bool = False):
+    def __init__(self, path: str, direct: bool = True, shared: list[tuple[int, int]] | None = None):
         self.path = path
-        self.shared = shared
-        direct = direct and not shared
+        self.shared = shared is not None
+        self._shared_pages: tuple[list[int], list[tuple[int, int]]] = ([], [])  # (starts, runs), swapped whole
+        self.share(shared or [])
         self.fd = open_for_exact_reads(path)
         self.direct_fd: int | None = None
         self._retired_fd: int | None = None  # a direct fd given up on (closed with the file)
         self._cached_before: list[tuple[int, bytes]] = []  # (offset, per page: cached) before reads through it
         self._lock = threading.Lock()
+        self.direct_read_bytes = 0  # bytes read past the page cache, and through it
+        self.cached_read_bytes = 0
         self._size = os.fstat(self.fd).st_size
         self._map: int | None = None  # a map of the file: for mincore, and to copy cached bytes out of
         if self._size:
@@ -178,6 +183,17 @@ class OpenFile:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: a filesystem without direct I/O (tmpfs, FUSE)
                     raise
+
+    def share(self, runs: list[tuple[int, int]]):
+        """More pages other processes read too (see `shared`)."""
+        joined = joined_pages(self._shared_pages[1] + list(runs))
+        self._shared_pages = ([begin for begin, _ in joined], joined)
+
+    def read_by_others(self, begin: int, end: int) -> bool:
+        """Whether [begin, end) touches a page other processes read too."""
+        starts, runs = self._shared_pages
+        i = bisect.bisect_right(starts, begin) - 1
+        return (i >= 0 and runs[i][1] > begin) or (i + 1 < len(starts) and starts[i + 1] < end)
 
     def cached(self, begin: int, end: int) -> bool:
         """Whether the page cache holds every page of [begin, end), up to the file's end."""
@@ -248,15 +264,49 @@ class OpenFile:
         """Bytes [offset, offset + length) of the file into buffer[at:at + length]; returns how
         many, fewer only at the end of the file. Direct unless the page cache holds them all
         (`cached`: the caller has just asked, for many reads at once, and a page evicted since
-        comes back into the cache); a direct read fills
-        buffer[align_down(at):align_up(at + length)], so `at` must be congruent to `offset` modulo
-        PAGE and the buffer start on a page."""
-        direct_fd = self.direct_fd
+        comes back into the cache), except the pages other processes read too (`shared`); a direct
+        read fills buffer[align_down(at):align_up(at + length)], so `at` must be congruent to
+        `offset` modulo PAGE and the buffer start on a page."""
         cached = cached or self.cached(offset, offset + length)
-        if cached or direct_fd is None:
+        if cached or self.direct_fd is None or not self.read_by_others(offset, offset + length):
+            return self._read(buffer, at, offset, length, what, cached, through_cache=cached)
+        done = 0
+        for begin, end, theirs in self._pieces(offset, offset + length):
+            n = self._read(buffer, at + begin - offset, begin, end - begin, what, False, through_cache=theirs)
+            done += n
+            if n < end - begin:
+                break
+        return done
+
+    def _pieces(self, begin: int, end: int):
+        """[begin, end) cut where the pages other processes read too begin and end: (begin, end,
+        whether theirs), in order; the cuts fall on pages."""
+        starts, runs = self._shared_pages
+        i = max(0, bisect.bisect_right(starts, begin) - 1)
+        at = begin
+        for run_begin, run_end in runs[i:]:
+            if run_begin >= end:
+                break
+            if run_end <= at:
+                continue
+            if run_begin > at:
+                yield at, run_begin, False
+            yield max(at, run_begin), min(end, run_end), True
+            at = min(end, run_end)
+        if at < end:
+            yield at, end, False
+
+    def _read(self, buffer: memoryview, at: int, offset: int, length: int, what: str, cached: bool,
+              through_cache: bool) -> int:
+        """`read_into` of one piece: through the page cache, or direct where the file allows."""
+        direct_fd = self.direct_fd
+        if through_cache or direct_fd is None:
             if not cached and not self.shared:  # pages this read may add to the cache
                 self.reading_through_cache(offset, offset + length)
-            return read_exactly(self.fd, buffer[at:at + length], offset, what)
+            n = read_exactly(self.fd, buffer[at:at + length], offset, what)
+            with self._lock:
+                self.cached_read_bytes += n
+            return n
         skip = offset - align_down(offset)
         window = buffer[at - skip:align_up(at + length)]
         done = 0
@@ -266,13 +316,16 @@ class OpenFile:
             except OSError as exc:
                 if exc.errno == errno.EINVAL and not done:  # a device whose blocks are larger than a page
                     self._stop_direct(direct_fd)
-                    return self.read_into(buffer, at, offset, length, what)
+                    return self._read(buffer, at, offset, length, what, cached, through_cache)
                 raise OSError(exc.errno, f"{what}: read at offset {offset - skip + done} failed: "
                                          f"{exc.strerror}") from None
             done += n
             if n == 0 or n % PAGE:  # the end of the file
                 break
-        return max(0, min(done - skip, length))
+        got = max(0, min(done - skip, length))
+        with self._lock:
+            self.direct_read_bytes += got
+        return got
 
     def read_whole(self, buffer: memoryview, at: int, offset: int, length: int, what: str, cached: bool = False):
         """`read_into`, every byte or an error: a file cut short since it was opened names `what`."""

@@ -77,6 +77,7 @@ class DaemonLink:
         self._rank_views: dict[str, bool] = {}  # directory of views -> whether it has rank-R/ views
         self._consumed: set[str] = set()  # view files reported done with, to a mount of several ranks
         self._reports: ThreadPoolExecutor | None = None  # sends those reports, off the loader's threads
+        self.source_reads = {"direct": 0, "cached": 0}  # bytes the last load read from the sources, each way
 
     def placement(self, path: str) -> dict[str, tuple[OpenFile, int]] | None:
         """Where a view file's tensors lie in the source shards, opened: {tensor: (source, offset
@@ -91,8 +92,9 @@ class DaemonLink:
             if sources_map is None:
                 return None
             places = sources_map.places(os.path.basename(path))
-            shared = self.serves_several_ranks(mountpoint)
-            opened = {i: self._open(sources_map.sources[i], shared) for i in {i for i, _ in places.values()}}
+            several = self.serves_several_ranks(mountpoint)
+            opened = {i: self._open(sources_map.sources[i], sources_map.shared.get(i, []) if several else None)
+                      for i in {i for i, _ in places.values()}}
         except OSError as exc:
             log.info("rankfs hook: %s: reading through the mount: %s", path, exc)
             return None
@@ -112,11 +114,13 @@ class DaemonLink:
                     self._maps[map_file] = None
             return self._maps[map_file]
 
-    def _open(self, source: contract.Source, shared: bool) -> OpenFile:
-        """A source, opened once per load; `shared` with the mount's other local ranks, which read
-        pages of it too (rankfs.common.disk.OpenFile)."""
+    def _open(self, source: contract.Source, shared: list[tuple[int, int]] | None) -> OpenFile:
+        """A source, opened once per load; `shared`: the pages of it the mount's other local ranks
+        read too, None on a mount of one rank (rankfs.common.disk.OpenFile)."""
         with self._lock:
             opened = self._sources.get(source.path)
+            if opened is not None and shared:
+                opened.share(shared)  # another view of this rank reads other pages of it
             if opened is None:
                 opened = OpenFile(source.path, shared=shared)
                 if not source.unchanged(os.fstat(opened.fd)):
@@ -198,6 +202,8 @@ class DaemonLink:
         other local ranks share them: their daemon drops those) and close them."""
         self.flush_progress()
         with self._lock:
+            self.source_reads = {"direct": sum(f.direct_read_bytes for f in self._sources.values()),
+                                 "cached": sum(f.cached_read_bytes for f in self._sources.values())}
             for path, opened in self._sources.items():
                 if path in uncache and not opened.shared:
                     os.posix_fadvise(opened.fd, 0, 0, os.POSIX_FADV_DONTNEED)

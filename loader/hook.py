@@ -267,6 +267,10 @@ class Hook:
             "slab_requests": sum(pool.stats.requests for pool in pools),
             "slabs": sum(pool.stats.slabs for pool in pools),
             "windows": self.slabs.stats.windows, "window_bytes": self.slabs.stats.window_bytes,
+            # Read from the sources past the page cache, and through it (where it held them, or other
+            # local ranks read them too); the windows' bytes and the maps' are neither.
+            "source_direct_bytes": self.link.source_reads["direct"],
+            "source_cached_bytes": self.link.source_reads["cached"],
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),
             # Host buffers (page-locked where pinned; bounce buffers too) and GPU buffers at their most,
             # idle ones included.

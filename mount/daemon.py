@@ -44,15 +44,16 @@ class Daemon:
         self.layouts = layouts
         self.engine = ReadEngine(layouts[0].sources, config.budget_bytes, config.workers, config.direct_io,
                                  Trace(config.trace_file))
-        self.tree = Tree(layouts, self.engine, self.status_json, allow_other=config.allow_other)
+        # With several local ranks: which source pages each view reads, and which other ranks read too.
+        self.host_pages = HostPages.of(layouts) if len(layouts) > 1 else None
+        self.tree = Tree(layouts, self.engine, self.status_json, allow_other=config.allow_other,
+                         shared_pages=self.host_pages.shared_pages if self.host_pages else None)
         self.ops = RankFS(self.tree, self.engine, self.command)
         self._rate = (time.monotonic(), 0, 0.0)  # (when, bytes read then, bytes/s)
         self.tuning: dict = {}
         self.drops = 0
         # {(pid, view): bytes} engine hooks have loaded straight from the sources
         self.hook_loaded: dict[tuple[int, str], int] = {}
-        self.host_pages: HostPages | None = None  # with several local ranks, once a hook is done with a file
-        self._host_pages_made = trio.Lock()  # hooks report side by side: one ledger, made once
         self.uncached_shared_bytes = 0  # source pages dropped once every local rank was done with them
 
     async def command(self, text: str, pid: int):
@@ -71,11 +72,8 @@ class Daemon:
         """A hook is done reading a view file from the sources: the source pages no local rank
         needs any more leave the page cache (the hooks of a mount of several local ranks read
         through it, so that the host reads each page once)."""
-        if len(self.layouts) == 1:
+        if self.host_pages is None:
             return
-        async with self._host_pages_made:
-            if self.host_pages is None:
-                self.host_pages = await trio.to_thread.run_sync(HostPages.of, self.layouts)
         ranges = self.host_pages.consumed(view, file)
         await self.engine.uncache(ranges)
         self.uncached_shared_bytes += sum(end - begin for _, begin, end in ranges)

@@ -185,13 +185,16 @@ def index_json(views: list[View]) -> bytes:
     return json.dumps(body).encode() + b"\n"  # no indent: the C encoder, 5x faster at 100k
 
 
-def sources_json(view: View, sources: tuple[contract.Source, ...]) -> bytes:
-    """The view's sources map (see rankfs.common.contract): what the engine hook reads directly."""
+def sources_json(view: View, sources: tuple[contract.Source, ...],
+                 shared: dict[int, list[tuple[int, int]]] | None = None) -> bytes:
+    """The view's sources map (see rankfs.common.contract): what the engine hook reads directly;
+    `shared`: {source: pages}, the pages other local ranks read too."""
     used = sorted({f.source for f in view.files})
     position = {index: i for i, index in enumerate(used)}
     return contract.encode_sources(
         [sources[i] for i in used],
-        {f.name: {t.name: (position[t.source], t.source_offset) for t in f.tensors} for f in view.files})
+        {f.name: {t.name: (position[t.source], t.source_offset) for t in f.tensors} for f in view.files},
+        {position[i]: runs for i, runs in (shared or {}).items() if i in position})
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,21 @@ class HostPages:
         return sum(starts[k + 1] - starts[k] for source, starts in self._starts.items()
                    for k, readers in enumerate(self._readers[source]) if readers & (readers - 1))
 
+    def shared_pages(self, view: str) -> dict[int, list[tuple[int, int]]]:
+        """{source: [(begin, end), ...]}: the pages `view` reads that a view of another rank still
+        needs, joined. Its hook reads those through the page cache and the rest direct."""
+        rank = view.split("/")[0]
+        others = sum(bit for name, bit in self._bits.items() if name.split("/")[0] != rank)
+        shared: dict[int, list[tuple[int, int]]] = {}
+        for (name, _), pages in self._pages.items():
+            if name != view:
+                continue
+            for source, i, j in self._segments(pages):
+                starts, readers = self._starts[source], self._readers[source]
+                shared.setdefault(source, []).extend((starts[k], starts[k + 1]) for k in range(i, j)
+                                                     if readers[k] & others)
+        return {source: joined_pages(runs) for source, runs in shared.items() if runs}
+
     def consumed(self, view: str, file: str) -> list[tuple[int, int, int]]:
         """A view is done with a file: (source, begin, end) of the pages no view needs any more,
         joined. An unknown view or file frees nothing."""

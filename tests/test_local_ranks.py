@@ -51,3 +51,28 @@ def test_ranks_of_one_host_read_each_shared_byte_once(large_checkpoint, mount_di
     stock = _run_ranks([(rank, _load_args(layout, rank, large_checkpoint, "stock", [])) for rank in ranks], "cpu")
     assert [r["weights_sha256"] for r in hooked] == [r["weights_sha256"] for r in stock]
     print(json.dumps({"case": case, "union": union, "sum": total, "read": read}))
+
+
+def test_the_bytes_no_other_rank_reads_are_read_direct(large_checkpoint, mount_dir):
+    """EP1 sliced: each rank's rows of w1 and w3 are its own, every rank reads whole rows of w2. One
+    rank loading alone leaves in the page cache the pages the other rank will read, and nothing of
+    its own: those it read direct, at the disk's rate, as a rank alone does."""
+    layout = argparse.Namespace(checkpoint=str(large_checkpoint), tp_size=4, ep_size=1, device="cpu")
+    plans = _rank_plans(layout, [0, 1])
+    own, other = plans[0]["reads"], plans[1]["reads"]
+    both = _union_bytes(own) + _union_bytes(other) - _union_bytes(own + other)
+    own_bytes = _union_bytes(own)
+    assert own_bytes - both > 64 << 20  # the rank's own
+    sources = shard_files(large_checkpoint)
+    with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--ep-size", 1, "--local-ranks", "0,1"):
+        uncache(sources)
+        [hooked] = _run_ranks([(0, _load_args(layout, 0, mount_dir / "target", "stock", plans[0]["names"],
+                                              hook=True))], "cpu")
+        left = sum(cached_bytes_in(sources[source], [(b, e) for s, b, e in own if s == source])
+                   for source in {s for s, _, _ in own})
+        uncache(sources)
+    assert both // 2 <= left <= both + (1 << 20), f"{left / both:.2f}x the pages the other rank reads"
+    reads = hooked["release"]
+    assert reads["source_cached_bytes"] <= both + (1 << 20) and reads["source_direct_bytes"] >= own_bytes - both - (1 << 20)
+    [stock] = _run_ranks([(0, _load_args(layout, 0, large_checkpoint, "stock", []))], "cpu")
+    assert hooked["weights_sha256"] == stock["weights_sha256"]

@@ -154,8 +154,11 @@ def memory_content(data: bytes, path: str = "") -> Content:
 
 class Tree:
     def __init__(self, layouts: list[RankLayout], engine: ReadEngine, render_status: Callable[[], bytes],
-                 allow_other: bool = False):
+                 allow_other: bool = False,
+                 shared_pages: Callable[[str], dict[int, list[tuple[int, int]]]] | None = None):
+        """shared_pages(view path): {source: pages} other local ranks read too, for its sources map."""
         self.nodes: dict[int, Node] = {}
+        self._shared_pages = shared_pages
         self.lazy_views: list[LazyView] = []  # one per view (of each rank), laid out after the mount is ready
         now = time.time_ns()
         root = self._add("", ROOT_INODE, now, children={})
@@ -192,7 +195,10 @@ class Tree:
         self._add(INDEX_NAME, directory.inode, now, file=memory_content(view.index, f"{path}/{INDEX_NAME}"))
         lazy = LazyView(path, view, engine)
         self.lazy_views.append(lazy)
-        mapping = functools.cache(lambda: sources_json(view, layout.sources))
+        if self._shared_pages is None:
+            mapping = functools.cache(lambda: sources_json(view, layout.sources))
+        else:  # what other ranks still need changes as they load
+            mapping = lambda: sources_json(view, layout.sources, self._shared_pages(path))  # noqa: E731
         self._add(f"{contract.flat_name(path)}.json", self._sources.inode, now, render=mapping)
         for position, vfile in enumerate(view.files):
             node = self._add(vfile.name, directory.inode, layout.sources[vfile.source].mtime_ns,

@@ -86,8 +86,9 @@ def _load_args(args, rank: int, directory, source: str, names: list[str], **extr
 
 
 def _run_ranks(loads: list[tuple[int, dict]], device: str) -> list[dict]:
-    """One load per rank, all started at once, each in a process of its own (dev.bench.paths), as
-    the engine's ranks start together on one host."""
+    """One load per rank, each in a process of its own (dev.bench.paths), their clocks started
+    together once every rank is set up (CUDA context, parameters allocated), as the engine's ranks
+    start loading together on one host."""
     gpus = 1
     if device == "cuda":
         import torch
@@ -98,9 +99,15 @@ def _run_ranks(loads: list[tuple[int, dict]], device: str) -> list[dict]:
         proc = subprocess.Popen([sys.executable, "-m", "dev.bench.paths", "load"], cwd=ROOT, text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env={**os.environ, "RANKFS_RANK": str(rank)})
-        proc.stdin.write(json.dumps(load))
-        proc.stdin.close()
+        proc.stdin.write(json.dumps(dict(load, start_together=True)) + "\n")
+        proc.stdin.flush()
         procs.append(proc)
+    for proc in procs:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(proc.stderr.read()[-3000:])
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.close()
     results = []
     for proc in procs:
         out, err = proc.stdout.read(), proc.stderr.read()
@@ -150,6 +157,7 @@ def load_like(args) -> int:
                 equal = r["weights_sha256"] == stock[rank]
                 same &= equal
                 print(json.dumps({"mode": mode, "rank": rank, "seconds": round(r["seconds"], 3),
+                                  "began_after": round(r["started"] - began, 3),  # its process's start-up, past the first's
                                   "bitwise": equal, "gb": round(r["bytes"] / 1e9, 3),
                                   "disk_read_gb": round(r["disk_read_bytes"] / 1e9, 3),
                                   "release": r.get("release")}))

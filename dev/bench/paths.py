@@ -95,6 +95,9 @@ def run_load(args: dict) -> dict:
     copies = args.get("copies", True)
     params = allocate(shard_files(args["counts_from"]), PROFILE, layout, counts, keep, args["device"]) if copies else {}
     weights = _weights(args)
+    if args.get("start_together"):  # ranks set up, each waits for the others, as an engine's ranks do
+        print("ready", flush=True)
+        sys.stdin.readline()
 
     def work():
         if not copies:
@@ -112,7 +115,8 @@ def run_load(args: dict) -> dict:
         result["release"] = {k: figures[k] for k in ("slabs", "windows", "window_bytes", "slab_requests",
                                                      "peak_slab_bytes", "peak_host_bytes", "peak_device_bytes",
                                                      "staged_on", "slabs_alive", "pinned", "pinned_bytes",
-                                                     "nontorch_since_load_start", "release_steps")}
+                                                     "nontorch_since_load_start", "release_steps",
+                                                     "source_direct_bytes", "source_cached_bytes")}
     if copies:
         result["weights_sha256"] = weights_digest(params)  # after the clock and the release: the benchmark compares rows
     return result
@@ -167,5 +171,5 @@ def run_push(args: dict) -> dict:
 RUNNERS = {"load": run_load, "raw": run_raw, "push": run_push}
 
 if __name__ == "__main__":
-    kind, payload = sys.argv[1], json.load(sys.stdin)
+    kind, payload = sys.argv[1], json.loads(sys.stdin.readline())
     print(json.dumps(RUNNERS[kind](payload)))
