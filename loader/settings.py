@@ -28,7 +28,7 @@ SETTINGS = (
             "the memory figures; `off`: nothing"),
     Setting("RANKFS_HOOK_DEVICE", "auto", "where staged tensors are handed out: `cuda[:N]` (GPU memory: the engine's "
             "copies are device to device), `cpu` (page-locked host memory); `auto`: the GPU the engine's parameters "
-            "are on, when there is CUDA"),
+            "are on; host memory where the process holds no CUDA memory (it is not loading into a GPU)"),
     Setting("RANKFS_HOOK_MAP", "auto", "tensors that view maps of the sources (`on`), or slabs (`off`); `auto`: slabs "
             "with CUDA; without, maps for each file the page cache holds and slabs read from the disk for the "
             "others, maps for every file where the memory the process may use holds less than two slabs"),

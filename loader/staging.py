@@ -23,14 +23,17 @@ class Staging(NamedTuple):
 def stage_on(setting: str) -> Staging | None:
     """A CUDA device to stage on, or None for page-locked host memory. auto: the CUDA device
     holding most of this process's allocations (the engine builds its model there before it loads
-    the weights), else the current one."""
+    the weights); host memory where it holds none: its reader wants tensors on the CPU."""
     if setting == "cpu" or not torch.cuda.is_available():
         return None
     if setting != "auto":
         device = torch.device(setting)
     else:
-        count = torch.cuda.device_count()
-        allocated = [torch.cuda.memory_allocated(i) for i in range(count)] if count > 1 else [0]
+        if not torch.cuda.is_initialized():
+            return None
+        allocated = [torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())]
         most = max(range(len(allocated)), key=allocated.__getitem__)
-        device = torch.device("cuda", most if allocated[most] else torch.cuda.current_device())
+        if not allocated[most]:
+            return None
+        device = torch.device("cuda", most)
     return Staging(device, CudaTransfer, functools.partial(torch.cuda.synchronize, device), pinned=True)

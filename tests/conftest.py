@@ -34,6 +34,13 @@ def pytest_runtest_setup(item):
                     pytrace=False)
 
 
+def checkout_env(**extra) -> dict:
+    """The environment of a child Python that imports the checkout first, then whatever path rankfs
+    and the engines were found on."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     return deepseek_v4.write(tmp_path_factory.mktemp("ckpt") / "dsv4", deepseek_v4.FixtureSpec.tiny())

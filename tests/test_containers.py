@@ -17,7 +17,7 @@ from conftest import ROOT, mounted
 
 pytestmark = pytest.mark.mount
 
-ENGINE = f"""
+ENGINE = """
 mount --make-rslave /
 mount -t tmpfs none "$CHECKPOINT"
 echo started

@@ -6,13 +6,12 @@ the original checkpoint; a load of plain files is left alone."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, mounted, rankfs
+from conftest import ROOT, checkout_env, mounted, rankfs
 from dev.bench.engine_like import expert_counts, shard_files
 from dev.fixtures import deepseek_v4
 from rankfs.plan.profiles import BY_NAME
@@ -30,9 +29,7 @@ LAYOUTS = {  # name -> (mount flags, the engine's MoE layout for that rank)
 
 def drive(engine: str, jobs: list[dict], hook_env: dict, runner: list[str]) -> tuple[list[dict], str]:
     """Run the driver; returns its per-load reports and its stderr (where the memlog lines go)."""
-    # The checkout first, then whatever path the engines and rankfs itself were found on.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           **hook_env}
+    env = checkout_env(**hook_env)
     result = subprocess.run([*runner, sys.executable, "-m", "dev.engine_driver", engine, json.dumps(jobs)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, checkout_env
 from dev.bench.engine_like import shard_files
 from dev.fixtures import deepseek_v4
 from dev.memstate import uncache
@@ -32,21 +32,38 @@ def test_what_the_process_may_use_is_at_most_what_the_host_has():
 
 
 class Cgroup:
-    """A cgroup v1 of this machine's memory (and cpu) controllers, under this process's own, removed
-    at the end. `enter(argv)` runs argv in it."""
+    """A cgroup of this machine's memory or cpu controller, removed at the end: under this process's
+    own (v1), or under the hierarchy's root (v2, where a cgroup that holds processes may not hand
+    controllers to children). `limit` and `quota_cores` name the limit, whichever version holds it;
+    `enter(argv)` runs argv in it."""
 
-    def __init__(self, controller: str, **settings):
-        parent = limits.cgroups().memory if controller == "memory" else Path("/sys/fs/cgroup/cpu")
+    def __init__(self, controller: str, limit: int | None = None, quota_cores: int | None = None):
+        groups = limits.cgroups()
+        self.v2 = groups.v2 or (controller == "cpu" and groups.cpu is not None and (groups.cpu / "cpu.max").exists())
+        if self.v2:
+            root = Path(next(line.split()[4] for line in open("/proc/self/mountinfo") if " - cgroup2 " in line))
+            (root / "cgroup.subtree_control").write_text(f"+{controller}\n")
+            parent = root
+        else:
+            parent = groups.memory if controller == "memory" else Path("/sys/fs/cgroup/cpu")
         self.path = parent / f"rankfs-test-{uuid.uuid4().hex[:8]}"
         self.path.mkdir()
-        for name, value in settings.items():
-            (self.path / name).write_text(f"{value}\n")
+        if limit is not None:
+            self._write("memory.max" if self.v2 else "memory.limit_in_bytes", limit)
+        if quota_cores is not None and self.v2:
+            self._write("cpu.max", f"{quota_cores * 100000} 100000")
+        elif quota_cores is not None:
+            self._write("cpu.cfs_period_us", 100000)
+            self._write("cpu.cfs_quota_us", quota_cores * 100000)
+
+    def _write(self, name: str, value):
+        (self.path / name).write_text(f"{value}\n")
 
     def enter(self, argv: list[str]) -> list[str]:
         return ["sh", "-c", f'echo $$ > {self.path}/cgroup.procs && exec "$@"', "sh", *map(str, argv)]
 
     def oom_kills(self) -> int:
-        text = (self.path / "memory.oom_control").read_text()
+        text = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
         return next((int(line.split()[1]) for line in text.splitlines() if line.startswith("oom_kill ")), 0)
 
     def remove(self):
@@ -65,7 +82,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def _load(cgroup: Cgroup, directory: Path, hook: bool = False) -> dict:
     argv = [sys.executable, str(ROOT / "tests" / "hash_loader.py"), directory] + (["--hook"] if hook else [])
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_env()
     result = subprocess.run(cgroup.enter(argv), cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
     return json.loads(result.stdout.splitlines()[-1])
@@ -74,7 +91,7 @@ def _load(cgroup: Cgroup, directory: Path, hook: bool = False) -> dict:
 @pytest.mark.mount
 @pytest.mark.parametrize("limit_gib", [1, 2])
 def test_the_view_and_the_hook_complete_wherever_the_stock_path_does(checkpoint, tmp_path, limit_gib):
-    cgroup = Cgroup("memory", **{"memory.limit_in_bytes": limit_gib * GIB})
+    cgroup = Cgroup("memory", limit=limit_gib * GIB)
     mountpoint, sources = tmp_path / "mnt", shard_files(checkpoint)
     mountpoint.mkdir()
     try:
@@ -109,7 +126,7 @@ def test_the_view_and_the_hook_complete_wherever_the_stock_path_does(checkpoint,
 
 @pytest.mark.mount
 def test_a_budget_above_what_the_cgroup_leaves_is_refused(tiny_checkpoint, tmp_path):
-    cgroup = Cgroup("memory", **{"memory.limit_in_bytes": GIB})
+    cgroup = Cgroup("memory", limit=GIB)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     try:
@@ -122,7 +139,7 @@ def test_a_budget_above_what_the_cgroup_leaves_is_refused(tiny_checkpoint, tmp_p
                  "from rankfs.common import limits; from rankfs.loader.settings import HookSettings;"
                  "HookSettings.from_env().budget_for(True, limits.available_memory())")
         result = subprocess.run(cgroup.enter([sys.executable, "-c", probe]), cwd=ROOT, capture_output=True,
-                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                text=True, env=checkout_env())
         assert result.returncode == 1 and "RANKFS_HOOK_INFLIGHT_GB=2 is more than the" in result.stderr
     finally:
         cgroup.remove()
@@ -131,12 +148,12 @@ def test_a_budget_above_what_the_cgroup_leaves_is_refused(tiny_checkpoint, tmp_p
 @pytest.mark.mount
 def test_the_cores_follow_the_cpu_quota():
     """A CPU quota of one core: the hook's cores, and so its copy threads and host budget, follow it."""
-    cgroup = Cgroup("cpu", **{"cpu.cfs_period_us": 100000, "cpu.cfs_quota_us": 100000})
+    cgroup = Cgroup("cpu", quota_cores=1)
     try:
         probe = ("from rankfs.common import limits; from rankfs.loader.settings import HookSettings;"
                  "s = HookSettings(); print(limits.cpu_count(), s.cpu_work_threads(), s.budget_for(True, 1 << 40))")
         result = subprocess.run(cgroup.enter([sys.executable, "-c", probe]), cwd=ROOT, capture_output=True,
-                                text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                text=True, check=True, env=checkout_env())
         cores, copy_threads, budget = map(int, result.stdout.split())
         assert (cores, copy_threads, budget) == (1, 4, 512 << 20)
     finally:

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, checkout_env
 
 PROBE = """
 import json, sys, threading
@@ -47,7 +47,7 @@ def test_the_engines_loaders_are_wrapped_when_imported():
              "import sglang.srt.model_loader.loader as s, vllm.model_executor.model_loader.default_loader as v;"
              "print(json.dumps([s.DefaultModelLoader.load_weights_and_postprocess._rankfs_load,"
              " v.DefaultModelLoader.load_weights._rankfs_load]))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_TARGET_DEVICE": "cpu"}
+    env = checkout_env(VLLM_TARGET_DEVICE="cpu")
     result = subprocess.run(["rankfs", "run", "--", sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                             text=True, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
