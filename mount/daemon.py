@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 
@@ -194,7 +195,10 @@ def serve(config: MountConfig, ready_fd: int | None) -> int:
             options.add("allow_other")
         if config.debug_fuse:
             options.add("debug")
-        pyfuse3.init(daemon.ops, config.mountpoint, options)
+        try:
+            pyfuse3.init(daemon.ops, config.mountpoint, options)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: {why_not_mounted()}") from None
     except Exception as exc:  # every failure before the mount is the user's answer
         report(f"error: {exc}")
         return 32
@@ -208,6 +212,15 @@ def serve(config: MountConfig, ready_fd: int | None) -> int:
         daemon.engine.trace.close()
         log.info("unmounted %s", config.mountpoint)
     return 0
+
+
+def why_not_mounted() -> str:
+    """What a failed mount most likely lacks (libfuse says which call failed, not why)."""
+    if os.geteuid() != 0 and not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "this user may not open /dev/fuse (Debian makes it 0666; a container needs --device /dev/fuse)"
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        return "a user that is not root mounts through fusermount3: install fuse3"
+    return "the daemon's log says why (libfuse's message)"
 
 
 def main(argv: list[str]) -> int:
