@@ -90,7 +90,7 @@ class Chunk:
         return new
 
     @property
-    def served(self) -> int:
+    def handed_bytes(self) -> int:
         """The bytes handed to the kernel."""
         return sum(b - a for a, b in self.handed)
 

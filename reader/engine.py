@@ -150,7 +150,7 @@ class ReadEngine:
             # pages it lacks), or a reader past the page cache reads them again.
             asked_again = chunk.had_handed(lo, hi)
             evicted = asked_again and chunk.reads and not chunk.on_demand and not direct
-            if (chunk.loading is None and chunk.served > chunk.listed and self._reader.serves_ranges(chunk)
+            if (chunk.loading is None and chunk.handed_bytes > chunk.listed and self._reader.serves_ranges(chunk)
                     and (evicted or self._reader.maps_chunk(chunk, on_event_loop=True))):
                 remnant = await self._read_remnant(chunk, lo, hi, evicted)
                 if remnant is not None:
@@ -218,13 +218,13 @@ class ReadEngine:
         self.stats.evicted_reread_bytes += nbytes
         self.budget.shrink(floor=PUSHED_FLOOR_CHUNKS * CHUNK_BYTES)
 
-    def served(self, chunk: Chunk, lo: int, hi: int):
-        """Account bytes [lo, hi) of the chunk that a loader's read was answered with."""
+    def answered(self, chunk: Chunk, lo: int, hi: int):
+        """Account bytes [lo, hi) of the chunk that a loader's request was answered with."""
         if not chunk.requested:
             self.trace.chunk("first", chunk)
         chunk.requested = True
         if chunk.file is not None:
-            chunk.file.served += hi - lo
+            chunk.file.requested_bytes += hi - lo
             chunk.file.reached = max(chunk.file.reached, chunk.stream_pos)
             if chunk.file.advance():
                 self._release_passed(chunk.file)
@@ -237,7 +237,7 @@ class ReadEngine:
         if chunk.file is not None:
             chunk.file.view.served_bytes += new
             chunk.file.view.reader_bytes += new
-        if free and chunk.served >= chunk.length:
+        if free and chunk.handed_bytes >= chunk.length:
             self.held.free(chunk)
         return new
 
@@ -361,7 +361,7 @@ class ReadEngine:
                 # A pass offers each chunk once: a file's cursor only moves on (ViewStream.next_chunk).
                 chunk = view.next_chunk() if view.passes == this_pass else None
                 if chunk is None or chunk.fill or chunk.requested or chunk.buffer is not None \
-                        or chunk.loading is not None or chunk.served >= chunk.length:
+                        or chunk.loading is not None or chunk.handed_bytes >= chunk.length:
                     if chunk is None:
                         return
                     if chunk.fill and self._pushing:

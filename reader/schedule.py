@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk
 
-# More than the kernel reads around a header at the default readahead (16 MiB): a file that served
-# this much is being consumed.
+# More than the kernel reads around a header at the default readahead (16 MiB): a file whose
+# requests were answered with this much is being consumed.
 CONSUMING_BYTES = 3 * CHUNK_BYTES
 # One chunk of source bytes in this many is pushed with its first page left out: the loader's read of
 # that page (a request it waits on) tells the engine how far it has consumed the file. The chunks
@@ -31,7 +31,7 @@ class FileStream:
     handles: int = 0  # open file handles
     direct_handles: int = 0  # of them, opened with O_DIRECT: their reads never look in the page cache
     reading: bool = False  # read since it was opened
-    served: int = 0  # source bytes read by a loader since then
+    requested_bytes: int = 0  # source bytes a loader's requests were answered with since then
     reached: int = 0  # the furthest stream position a loader asked for
     listed: bool = False  # the pages a listing reads were pushed, at its first open (a drop leaves them out)
 
@@ -65,7 +65,7 @@ class FileStream:
     @property
     def consuming(self) -> bool:
         """A loader reads its tensors, not only the header and the kernel's read-around."""
-        return self.reading and self.served >= CONSUMING_BYTES
+        return self.reading and self.requested_bytes >= CONSUMING_BYTES
 
 
 @dataclass
@@ -131,7 +131,7 @@ class ViewStream:
         prefetched from its start, once that reader has read PREFETCH_AFTER_BYTES."""
         self.running, self.passes, self.reader_bytes = False, self.passes + 1, 0  # ends the pass under way
         for file in self.files:
-            file.cursor, file.frontier, file.reading, file.served, file.reached = 0, 0, False, 0, 0
+            file.cursor, file.frontier, file.reading, file.requested_bytes, file.reached = 0, 0, False, 0, 0
             for chunk in file.chunks:
                 chunk.handed_anew()
                 chunk.requested = False

@@ -37,11 +37,11 @@ def test_a_chunk_counts_each_byte_it_handed_once():
     chunk = Chunk(Extent(0, CHUNK_BYTES, "data", source=0), 0, CHUNK_BYTES)
     assert chunk.hand(PAGE, CHUNK_BYTES - PAGE) == CHUNK_BYTES - 2 * PAGE  # pushed
     assert chunk.hand(0, 2 * PAGE) == PAGE  # a listing's pages: the first, and one pushed
-    assert chunk.served == CHUNK_BYTES - PAGE and not chunk.had_handed(CHUNK_BYTES - PAGE, CHUNK_BYTES)
+    assert chunk.handed_bytes == CHUNK_BYTES - PAGE and not chunk.had_handed(CHUNK_BYTES - PAGE, CHUNK_BYTES)
     assert chunk.hand(CHUNK_BYTES - 2 * PAGE, CHUNK_BYTES) == PAGE  # a reply
-    assert chunk.served == CHUNK_BYTES and chunk.handed == [(0, CHUNK_BYTES)]
+    assert chunk.handed_bytes == CHUNK_BYTES and chunk.handed == [(0, CHUNK_BYTES)]
     chunk.handed_anew()
-    assert chunk.served == 0 and not chunk.had_handed(0, CHUNK_BYTES)
+    assert chunk.handed_bytes == 0 and not chunk.had_handed(0, CHUNK_BYTES)
 
 
 def test_passed_chunks_keep_their_first_page_within_the_cap(monkeypatch):
@@ -74,7 +74,7 @@ def test_a_file_closed_by_the_loader_that_consumed_it_gives_back_what_was_read_a
         pushed_chunk(engine.held, chunk.stream_pos, chunk)
     engine.opened(file)
     engine.opened(file)
-    file.reading, file.served = True, CONSUMING_BYTES
+    file.reading, file.requested_bytes = True, CONSUMING_BYTES
     engine.closed(file)
     assert engine.budget.used == 4 * CHUNK_BYTES  # another handle still reads it
     engine.closed(file)
@@ -85,7 +85,7 @@ def test_a_file_only_looked_at_keeps_what_was_read_ahead_in_it():
     engine, file = engine_with_a_file()
     pushed_chunk(engine.held, 3, file.chunks[3])
     engine.opened(file)
-    file.reading, file.served = True, PAGE  # a header read: the loader has not begun on it
+    file.reading, file.requested_bytes = True, PAGE  # a header read: the loader has not begun on it
     engine.closed(file)
     assert engine.budget.used == CHUNK_BYTES
 

@@ -33,7 +33,7 @@ def read(view: ViewStream, file: int, position: int):
     stream = view.files[file]
     chunk = stream.chunks[position]
     stream.reading = True
-    ReadEngine((), 1 << 30).served(chunk, chunk.start, chunk.end)
+    ReadEngine((), 1 << 30).answered(chunk, chunk.start, chunk.end)
 
 
 def order(view: ViewStream, n: int) -> list[tuple[int, int]]:
@@ -45,7 +45,7 @@ def test_open_files_whose_headers_alone_were_read_do_not_split_the_prefetch():
     view = view_of(3)
     for stream in view.files:  # a loader opened all three: headers and read-around only
         stream.reading = True
-        stream.served = CONSUMING_BYTES - 1
+        stream.requested_bytes = CONSUMING_BYTES - 1
     read(view, 0, 0)
     read(view, 0, 1)
     assert view.files[0].consuming and not view.files[1].consuming

@@ -177,7 +177,7 @@ class RankFS(pyfuse3.Operations):
                         pieces.append(piece)
                         if backing is not None:
                             owned.append(backing)
-                        self.engine.served(chunk, a, b)
+                        self.engine.answered(chunk, a, b)
         except BaseException as exc:  # nothing is replied from what was gathered
             self.engine.replied(owned)
             if isinstance(exc, BackingError):
