@@ -42,7 +42,10 @@ def test_a_trace_accounts_for_the_chunks_the_daemon_read_and_pushed(large_checkp
 
 def test_reads_ahead_are_bounded_by_their_bytes_not_their_count(large_checkpoint, mount_dir, tmp_path):
     # A sliced view's chunks are rows of experts, most smaller than 8 MiB: more of them go at once
-    # than the workers' number, and never more than the workers' number of whole chunks' bytes.
+    # than the workers' number, and never more than the workers' number of whole chunks' bytes. The
+    # event loop queues reads back to back while the bytes allow (no checkpoint between them), and a
+    # read's end is traced by the loop after: how many are in flight follows from the chunks' sizes,
+    # not from how the threads are scheduled.
     trace = tmp_path / "trace.jsonl"
     flags = ("--tp-size", 4, "--tp-rank", 1, "--workers", 2, "--trace", trace)
     with mounted(large_checkpoint, mount_dir, *flags):
