@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 
 import psutil
@@ -45,10 +46,12 @@ class Daemon:
         self.layouts = layouts
         self.engine = ReadEngine(layouts[0].sources, config.budget_bytes, config.workers, config.direct_io,
                                  Trace(config.trace_file))
-        # With several local ranks: which source pages each view reads, and which other ranks read too.
-        self.host_pages = HostPages.of(layouts) if len(layouts) > 1 else None
+        # With several local ranks: which source pages each view reads, and which other ranks read too
+        # (made after the mount is ready: at full scale it takes seconds).
+        self._host_pages: HostPages | None = None
+        self._host_pages_made = threading.Lock()
         self.tree = Tree(layouts, self.engine, self.status_json, allow_other=config.allow_other,
-                         shared_pages=self.host_pages.shared_pages if self.host_pages else None)
+                         shared_pages=self.shared_pages if len(layouts) > 1 else None)
         self.ops = RankFS(self.tree, self.engine, self.command)
         self._rate = (time.monotonic(), 0, 0.0)  # (when, bytes read then, bytes/s)
         self.tuning: dict = {}
@@ -73,11 +76,23 @@ class Daemon:
         """A hook is done reading a view file from the sources: the source pages no local rank
         needs any more leave the page cache (the hooks of a mount of several local ranks read
         through it, so that the host reads each page once)."""
-        if self.host_pages is None:
+        if len(self.layouts) == 1:
             return
-        ranges = self.host_pages.consumed(view, file)
+        host_pages = await trio.to_thread.run_sync(self.host_pages)
+        ranges = host_pages.consumed(view, file)
         await self.engine.uncache(ranges)
         self.uncached_shared_bytes += sum(end - begin for _, begin, end in ranges)
+
+    def host_pages(self) -> HostPages:
+        """The local ranks' source pages, made once, by a thread after start-up or whoever asks first."""
+        with self._host_pages_made:
+            if self._host_pages is None:
+                self._host_pages = HostPages.of(self.layouts)
+            return self._host_pages
+
+    def shared_pages(self, view: str) -> dict[int, list[tuple[int, int]]]:
+        """{source: pages} of a view's reads that another local rank still needs."""
+        return self.host_pages().shared_pages(view)
 
     async def drop(self):
         """Release the read engine's memory and the views' page cache."""
@@ -167,6 +182,8 @@ class Daemon:
                 await view.lay_out()
             except Exception:  # not the mount's end here: an open of the view meets the error again, as before
                 log.exception("%s: laying out the view failed", view.directory)
+        if len(self.layouts) > 1:
+            await trio.to_thread.run_sync(self.host_pages)
 
     async def _signals(self, cancel_scope):
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
