@@ -189,12 +189,6 @@ class OpenFile:
         joined = joined_pages(self._shared_pages[1] + list(runs))
         self._shared_pages = ([begin for begin, _ in joined], joined)
 
-    def read_by_others(self, begin: int, end: int) -> bool:
-        """Whether [begin, end) touches a page other processes read too."""
-        starts, runs = self._shared_pages
-        i = bisect.bisect_right(starts, begin) - 1
-        return (i >= 0 and runs[i][1] > begin) or (i + 1 < len(starts) and starts[i + 1] < end)
-
     def cached(self, begin: int, end: int) -> bool:
         """Whether the page cache holds every page of [begin, end), up to the file's end."""
         return self.resident(begin, min(end, self._size))
@@ -268,7 +262,7 @@ class OpenFile:
         read fills buffer[align_down(at):align_up(at + length)], so `at` must be congruent to
         `offset` modulo PAGE and the buffer start on a page."""
         cached = cached or self.cached(offset, offset + length)
-        if cached or self.direct_fd is None or not self.read_by_others(offset, offset + length):
+        if cached or self.direct_fd is None or not self.shared:
             return self._read(buffer, at, offset, length, what, cached, through_cache=cached)
         done = 0
         for begin, end, theirs in self._pieces(offset, offset + length):
@@ -284,7 +278,8 @@ class OpenFile:
         starts, runs = self._shared_pages
         i = max(0, bisect.bisect_right(starts, begin) - 1)
         at = begin
-        for run_begin, run_end in runs[i:]:
+        for k in range(i, len(runs)):  # not a slice: a view's runs number 100,000s at full scale
+            run_begin, run_end = runs[k]
             if run_begin >= end:
                 break
             if run_end <= at:

@@ -78,7 +78,7 @@ class Daemon:
         through it, so that the host reads each page once)."""
         if len(self.layouts) == 1:
             return
-        host_pages = await trio.to_thread.run_sync(self.host_pages)
+        host_pages = self._host_pages or await trio.to_thread.run_sync(self.host_pages)
         ranges = host_pages.consumed(view, file)
         await self.engine.uncache(ranges)
         self.uncached_shared_bytes += sum(end - begin for _, begin, end in ranges)
