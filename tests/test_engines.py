@@ -130,3 +130,17 @@ def test_vllms_plugin_loader_installs_the_hook_without_rankfs_run(tiny_checkpoin
     jobs = jobs_for(tiny_checkpoint, {"ep1-sliced": mounts["ep1-sliced"]})
     reports, stderr = drive("vllm", jobs, {"ENGINE_DRIVER_PLUGINS": "1", **switch}, [])
     check(reports, stderr, expect_releases=not switch, collector_paused=not switch)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_a_rank_of_a_mount_of_several_local_ranks_loads_its_own_view(tiny_checkpoint, tmp_path, engine):
+    """Started with the view every local rank is started with, the rank (RANKFS_RANK) gets its own
+    bytes; the pages the other rank reads too come through the page cache, the rest direct."""
+    flags = ["--tp-size", 4, "--ep-size", 1, "--local-ranks", "0,1"]
+    with mounted(tiny_checkpoint, tmp_path / "mnt", *flags) as mountpoint:
+        jobs = [dict(job, uncache=shard_files(tiny_checkpoint)) if job["directory"] != str(tiny_checkpoint) else job
+                for job in jobs_for(tiny_checkpoint, {"ep1-sliced": mountpoint})]  # TP4 rank 1's layout
+        reports, stderr = drive(engine, jobs, {"RANKFS_RANK": "1", "RANKFS_HOOK_MAP": "off"}, ["rankfs", "run", "--"])
+    check(reports, stderr)
+    staged = [figures for r in reports for figures in r["release_figures"]]
+    assert sum(f["source_direct_bytes"] for f in staged) > 0 and sum(f["source_cached_bytes"] for f in staged) > 0
