@@ -128,20 +128,27 @@ def available_memory(groups: Cgroups | None = None) -> int:
     return host if room is None else min(host, room)
 
 
+def _quota_cores(directory: Path, v2: bool) -> int | None:
+    """The cores a cgroup's own CPU quota allows (None: no quota)."""
+    if v2:
+        quota, _, period = (_read(directory / "cpu.max") or "max").partition(" ")
+        quota_us, period_us = (None if quota == "max" else int(quota)), int(period or 100000)
+    else:
+        quota_us = _number(_read(directory / "cpu.cfs_quota_us"))
+        quota_us = None if quota_us is not None and quota_us < 0 else quota_us
+        period_us = _number(_read(directory / "cpu.cfs_period_us")) or 100000
+    return max(1, quota_us // period_us) if quota_us else None
+
+
 def cpu_count(groups: Cgroups | None = None) -> int:
-    """The cores this process may run on: its affinity, or its CPU quota where that is fewer (at
-    least one)."""
+    """The cores this process may run on: its affinity, or the least CPU quota of its cgroup and
+    those above it where that is fewer (at least one)."""
     cores = len(os.sched_getaffinity(0))
     groups = groups or cgroups()
     if groups.cpu is None:
         return cores
-    if groups.v2:
-        quota, _, period = (_read(groups.cpu / "cpu.max") or "max").partition(" ")
-        quota_us, period_us = (None if quota == "max" else int(quota)), int(period or 100000)
-    else:
-        quota_us = _number(_read(groups.cpu / "cpu.cfs_quota_us"))
-        quota_us = None if quota_us is not None and quota_us < 0 else quota_us
-        period_us = _number(_read(groups.cpu / "cpu.cfs_period_us")) or 100000
-    if not quota_us:
-        return cores
-    return max(1, min(cores, quota_us // period_us))
+    root = groups.cpu
+    while root.parent != root and (root.parent / ("cpu.max" if groups.v2 else "cpu.cfs_quota_us")).exists():
+        root = root.parent
+    quotas = [_quota_cores(directory, groups.v2) for directory in _lineage(groups.cpu, root)]
+    return min([cores, *filter(None, quotas)])

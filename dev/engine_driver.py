@@ -160,7 +160,8 @@ def vllm(directories: list[str]):
 
 RELEASE_FIGURES = ("pinned", "pinned_bytes", "peak_slab_bytes", "peak_host_bytes", "peak_device_bytes", "slabs",
                    "slab_requests", "windows", "staged_on", "cuda_reserved", "nvml_process", "release_seconds",
-                   "source_direct_bytes", "source_cached_bytes")
+                   "source_direct_bytes", "source_cached_bytes", "cores", "budget_bytes", "read_threads",
+                   "copy_threads")
 
 
 def cuda_figures(model: TinyMoE) -> dict | None:

@@ -272,6 +272,9 @@ class Hook:
             "source_direct_bytes": self.link.source_reads["direct"],
             "source_cached_bytes": self.link.source_reads["cached"],
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),
+            # What the budget and the threads were sized from (the CPU quota, the cgroup's room).
+            "cores": limits.cpu_count(), "budget_bytes": self.budget.limit, "read_threads": self.settings.threads,
+            "copy_threads": self.settings.cpu_work_threads(),
             # Host buffers (page-locked where pinned; bounce buffers too) and GPU buffers at their most,
             # idle ones included.
             "peak_host_bytes": self.slabs.stats.peak_bytes + (device.bounce_bytes if device else 0),

@@ -107,7 +107,7 @@ def host_alloc_count() -> int | None:
 BYTE_FIELDS = {k.lower() for k in MEMINFO_FIELDS} | {
     "cuda_reserved", "nvml_process", "rss", "unaccounted", "mem_available_before", "peak_slab_bytes",
     "nontorch_since_load_start", "pinned_bytes", "peak_host_bytes", "peak_device_bytes", "source_direct_bytes",
-    "source_cached_bytes"}
+    "source_cached_bytes", "budget_bytes"}
 
 
 def format_line(figures: dict) -> str:

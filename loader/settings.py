@@ -36,8 +36,9 @@ SETTINGS = (
             "there; host slabs: 0.5 a core (of the CPU quota) and a quarter of the memory the process may use (its "
             "cgroup's limit less what it uses), up to 4; a value above the latter is refused"),
     Setting("RANKFS_HOOK_SLAB_MB", "256", "slab size, MiB (a power of two; host slabs: half the budget at most)"),
-    Setting("RANKFS_HOOK_THREADS", "8", "read threads; as many as half the cores (half the threads at least) copy "
-            "small reads out of the page cache at once, leaving the other cores and the GIL to the loader"),
+    Setting("RANKFS_HOOK_THREADS", "8", "read threads; as many as half the cores (half the threads at least, two a "
+            "core at most, of the CPU quota) copy small reads out of the page cache at once, leaving the other cores "
+            "and the GIL to the loader"),
     Setting("RANKFS_HOOK_READ_NICE", "-10", "niceness of a read thread while it reads from the disk, relative to "
             "its own, so that it starts its next read before the loader's copy threads run on; 0: none (needs "
             "`CAP_SYS_NICE` or `RLIMIT_NICE` room, else ignored)"),
@@ -132,9 +133,10 @@ class HookSettings:
 
     def cpu_work_threads(self) -> int:
         """How many read threads may copy out of the page cache at once: half the cores, the rest
-        left to the loader's threads, and half the threads at least (where cores are few, more only
-        take the GIL from the loader's loop)."""
-        return max(1, self.threads // 2, min(self.threads, _cores() // 2))
+        left to the loader's threads, and half the threads at least (where cores are few, copies
+        waiting behind the loader still keep it fed), but never more than two a core."""
+        cores = _cores()
+        return max(1, min(self.threads, 2 * cores, max(self.threads // 2, cores // 2)))
 
     @classmethod
     def from_env(cls, mode: str | None = None) -> "HookSettings":

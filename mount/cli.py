@@ -121,8 +121,9 @@ def parser():
     _switch(g, "--no-push", dest="push", action="store_false",
             help="answer every read on the FUSE thread instead of pushing read-ahead into the page "
                  "cache from threads of its own (default: push; this is for comparison)")
-    g.add_argument("--push-threads", type=_count, default=8, metavar="N",
-                   help="threads pushing read-ahead into the views' page cache (default: 8)")
+    g.add_argument("--push-threads", type=_count, metavar="N",
+                   help="threads pushing read-ahead into the views' page cache (default: 8, two a core "
+                        "at most of the cores this process may use: its affinity and CPU quota)")
     _switch(g, "--allow-other",
             help="let other users read the mount and write its control file (same as -o "
                  "allow_other; needs user_allow_other in /etc/fuse.conf for non-root users)")

@@ -26,7 +26,7 @@ class MountConfig:
     workers: int = 8  # threads reading ahead (their bytes: 8 MiB each), and as many for reads waited on
     direct_io: bool = False
     push: bool = True
-    push_threads: int = 8  # notify_store calls at once: one file's store rate peaks near 4, loaders read nine
+    push_threads: int = 8  # notify_store calls at once (default_push_threads)
     readahead_kb: int = 16384
     max_background: int = 64
     congestion_threshold: int = 48
@@ -54,3 +54,10 @@ def default_budget_bytes(available_bytes: int) -> int:
     64 MiB): `available_bytes` is rankfs.common.limits.available_memory, its cgroup's room. The
     rest is the loader's, and the page cache the view is read through."""
     return int(min(DEFAULT_BUDGET_BYTES, max(MIN_BUDGET_BYTES, available_bytes // 8)))
+
+
+def default_push_threads(cores: int) -> int:
+    """Threads pushing into the views' page cache: eight (one file's store rate peaks near four and
+    loaders read nine files at once), two a core at most: each push is a copy on the CPU, where the
+    workers' reads mostly wait on the disk. `cores`: rankfs.common.limits.cpu_count, the CPU quota."""
+    return max(1, min(8, 2 * cores))

@@ -149,6 +149,8 @@ class Daemon:
             "peak_held_bytes": budget.peak,
             "budget_bytes": budget.ceiling,
             "read_ahead_limit_bytes": budget.limit,
+            "workers": self.config.workers,
+            "push_threads": self.config.push_threads,
             "rss_bytes": psutil.Process().memory_info().rss,
             "memory": self.engine.held.figures(),
             "drops": self.drops,

@@ -146,15 +146,25 @@ def test_a_budget_above_what_the_cgroup_leaves_is_refused(tiny_checkpoint, tmp_p
 
 
 @pytest.mark.mount
-def test_the_cores_follow_the_cpu_quota():
-    """A CPU quota of one core: the hook's cores, and so its copy threads and host budget, follow it."""
+def test_the_threads_and_budgets_follow_the_cpu_quota(tiny_checkpoint, tmp_path):
+    """A CPU quota of one core: the hook's cores, copy threads and host budget follow it, and so do
+    the daemon's push threads (two a core at most: each push is a copy on the CPU)."""
     cgroup = Cgroup("cpu", quota_cores=1)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
     try:
         probe = ("from rankfs.common import limits; from rankfs.loader.settings import HookSettings;"
                  "s = HookSettings(); print(limits.cpu_count(), s.cpu_work_threads(), s.budget_for(True, 1 << 40))")
         result = subprocess.run(cgroup.enter([sys.executable, "-c", probe]), cwd=ROOT, capture_output=True,
                                 text=True, check=True, env=checkout_env())
         cores, copy_threads, budget = map(int, result.stdout.split())
-        assert (cores, copy_threads, budget) == (1, 4, 512 << 20)
+        assert (cores, copy_threads, budget) == (1, 2, 512 << 20)
+        mount = [sys.executable, "-m", "rankfs.mount.cli", "mount", tiny_checkpoint, mountpoint, "--tp-size", 4,
+                 "--tp-rank", 0, "--log", tmp_path / "rankfs.log"]
+        subprocess.run(cgroup.enter(mount), cwd=ROOT, check=True, capture_output=True, timeout=120)
+        try:
+            assert contract.read_status(str(mountpoint))["push_threads"] == 2
+        finally:
+            subprocess.run([sys.executable, "-m", "rankfs.mount.cli", "umount", mountpoint], cwd=ROOT)
     finally:
         cgroup.remove()

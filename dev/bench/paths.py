@@ -116,7 +116,8 @@ def run_load(args: dict) -> dict:
                                                      "peak_slab_bytes", "peak_host_bytes", "peak_device_bytes",
                                                      "staged_on", "slabs_alive", "pinned", "pinned_bytes",
                                                      "nontorch_since_load_start", "release_steps",
-                                                     "source_direct_bytes", "source_cached_bytes")}
+                                                     "source_direct_bytes", "source_cached_bytes", "cores",
+                                                     "budget_bytes", "copy_threads")}
     if copies:
         result["weights_sha256"] = weights_digest(params)  # after the clock and the release: the benchmark compares rows
     return result
