@@ -84,13 +84,13 @@ def _stat(directory: Path, key: str) -> int:
     return 0
 
 
-def _lineage(directory: Path, root: Path):
-    """The cgroup and every cgroup above it, up to the hierarchy's root."""
-    while True:
-        yield directory
-        if directory == root or directory.parent == directory:
-            return
+def _lineage(directory: Path, marker: str):
+    """The cgroup and every cgroup above it that has the controller's `marker` file (the
+    hierarchy's root has none of a limit's files)."""
+    yield directory
+    while directory.parent != directory and (directory.parent / marker).exists():
         directory = directory.parent
+        yield directory
 
 
 def memory_room(groups: Cgroups | None = None) -> int | None:
@@ -101,11 +101,8 @@ def memory_room(groups: Cgroups | None = None) -> int | None:
     groups = groups or cgroups()
     if groups.memory is None:
         return None
-    root = groups.memory
-    while root.parent != root and (root.parent / ("memory.max" if groups.v2 else "memory.limit_in_bytes")).exists():
-        root = root.parent
     room = None
-    for directory in _lineage(groups.memory, root):
+    for directory in _lineage(groups.memory, "memory.max" if groups.v2 else "memory.limit_in_bytes"):
         if groups.v2:
             limits = [_number(_read(directory / "memory.max")), _number(_read(directory / "memory.high"))]
             used, inactive = _number(_read(directory / "memory.current")), _stat(directory, "inactive_file")
@@ -147,8 +144,6 @@ def cpu_count(groups: Cgroups | None = None) -> int:
     groups = groups or cgroups()
     if groups.cpu is None:
         return cores
-    root = groups.cpu
-    while root.parent != root and (root.parent / ("cpu.max" if groups.v2 else "cpu.cfs_quota_us")).exists():
-        root = root.parent
-    quotas = [_quota_cores(directory, groups.v2) for directory in _lineage(groups.cpu, root)]
+    quotas = [_quota_cores(directory, groups.v2)
+              for directory in _lineage(groups.cpu, "cpu.max" if groups.v2 else "cpu.cfs_quota_us")]
     return min([cores, *filter(None, quotas)])

@@ -17,11 +17,11 @@ class Run(NamedTuple):
     """Bytes adjacent in one file, read together into a slab at `at` (congruent to `offset`
     modulo PAGE), or mapped as a window; `names` are its tensors, each starting at its `starts`."""
     source: OpenFile
-    offset: int
+    offset: int  # in the source
     length: int
-    at: int
+    at: int  # in the slab
     names: tuple[str, ...]
-    starts: tuple[int, ...]
+    starts: tuple[int, ...]  # file offsets
 
     def tensors_at(self, begin: int, end: int) -> str:
         """Its tensors with bytes in [begin, end) of the file, for messages: 'a', 'b'."""

@@ -29,7 +29,7 @@ class Chunk:
                  "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed",
                  "handed", "signal", "pushed")
 
-    def __init__(self, extent: Extent, start: int, length: int):
+    def __init__(self, extent: Extent, start: int, length: int, file_id: int = 0):
         self.start = start  # offset in the virtual file
         self.length = length
         self.source = extent.source
@@ -45,10 +45,10 @@ class Chunk:
         self.loading: trio.Event | None = None
         self.requested = False  # a loader has read some of it (not only pushes)
         self.reads = 0  # times read from its source
-        self.stream_pos = -1  # position in its file's stream (reader.schedule sets both)
+        self.stream_pos = -1  # position in its file's stream (`place`)
         self.file: FileStream | None = None
         self.error: str | None = None  # the last failed read's reason: served as EIO, never as data
-        self.file_id = 0  # the virtual file it belongs to (the serving layer's inode)
+        self.file_id = file_id  # the virtual file it belongs to (the serving layer's inode)
         self.head = b""  # once pushed: the bytes before the pushed pages, and after them
         self.tail = b""
         self.listed = 0  # of them, handed first with a listing's pages
@@ -99,6 +99,39 @@ class Chunk:
         again means the kernel evicted them."""
         return any(a < hi and lo < b for a, b in self.handed)
 
+    def place(self, file: FileStream, position: int, signal: bool):
+        """Its place in its file's stream, once the stream is made (rankfs.reader.schedule)."""
+        self.file, self.stream_pos, self.signal = file, position, signal
+
+    def take(self, buffer: memoryview, backing: Backing):
+        """It was read: its bytes lie in `buffer`, within `backing`."""
+        self.buffer, self.backing, self.error = buffer, backing, None
+
+    def keep_edges(self, start: int, end: int):
+        """Its pages [start, end) are in the view's page cache: it keeps the bytes around them and
+        lets go of the rest of its memory."""
+        a, b = start - self.start, end - self.start
+        self.head, self.tail = bytes(self.buffer[:a]), bytes(self.buffer[b:])
+        self.buffer = None
+        self.backing.done()
+        self.backing = None
+        self.pushed = True
+
+    def forget_edges(self):
+        self.head = self.tail = b""
+
+    def unload(self):
+        """It lets go of its memory, edges included."""
+        if self.backing is not None:
+            self.backing.done()
+        self.backing, self.buffer = None, None
+        self.forget_edges()
+
+    def restart(self):
+        """A new reader of its view starts from nothing handed or requested."""
+        self.handed_anew()
+        self.requested = False
+
     def handed_anew(self):
         """It is read again for bytes the kernel was handed and lacks now (a second reader of the
         view, or pushed pages evicted): this copy is freed once it has been handed whole, not at its
@@ -139,7 +172,7 @@ class Fill:
         return memoryview(self._bytes)[:n]
 
 
-def split_extent(extent: Extent, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+def split_extent(extent: Extent, chunk_bytes: int = CHUNK_BYTES, file_id: int = 0) -> list[Chunk]:
     """Chunks of at most chunk_bytes, cut on pages (a page across two chunks is one neither push
     stores: a request the loader waits on), or whole rows for masked extents. On-demand extents
     (row stores) are read in small pieces: their readers touch a few rows, not the whole table."""
@@ -149,7 +182,7 @@ def split_extent(extent: Extent, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
     else:
         step = ON_DEMAND_CHUNK_BYTES if extent.on_demand else chunk_bytes
         cuts = [extent.offset, *range(align_down(extent.offset) + step, extent.end, step)]
-    return [Chunk(extent, start, end - start) for start, end in zip(cuts, [*cuts[1:], extent.end])]
+    return [Chunk(extent, start, end - start, file_id) for start, end in zip(cuts, [*cuts[1:], extent.end])]
 
 
 def overlapping(runs, starts: list[int], offset: int, end: int):
@@ -165,8 +198,8 @@ def overlapping(runs, starts: list[int], offset: int, end: int):
 class ChunkRun:
     """The chunks of one data extent, found by offset."""
 
-    def __init__(self, extent: Extent, chunk_bytes: int = CHUNK_BYTES):
-        self.chunks = split_extent(extent, chunk_bytes)
+    def __init__(self, extent: Extent, chunk_bytes: int = CHUNK_BYTES, file_id: int = 0):
+        self.chunks = split_extent(extent, chunk_bytes, file_id)
         self._starts = [c.start for c in self.chunks]
 
     def overlapping(self, offset: int, end: int):

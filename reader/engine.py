@@ -287,14 +287,9 @@ class ReadEngine:
         if chunk.backing is not backing:
             return  # freed while it was being pushed (and maybe loaded again since)
         self.trace.chunk("pushed", chunk, times, pushed=end - start)
-        a, b = start - chunk.start, end - chunk.start
-        chunk.head, chunk.tail = bytes(chunk.buffer[:a]), bytes(chunk.buffer[b:])
-        chunk.buffer = None
-        chunk.backing.done()
-        chunk.backing = None
+        chunk.keep_edges(start, end)
         self.held.pushed[id(chunk)] = chunk
         self.stats.pushed_bytes += end - start
-        chunk.pushed = True
         # A chunk with no signal page is never asked for: it counts until the loader asks for a later one.
         self._handed(chunk, start, end, free=chunk.signal)
 
@@ -399,11 +394,10 @@ class ReadEngine:
         buffer = None if mapped else self.held.pool.take(self.held.cost(chunk))
         asked = time.monotonic()
         try:
-            (buffer, chunk.buffer), began, ended = await trio.to_thread.run_sync(
+            (buffer, view), began, ended = await trio.to_thread.run_sync(
                 timed, self._read_chunk, chunk, buffer, mapped,
                 limiter=self._ahead_threads if prefetched else self._waited_threads)
-            chunk.backing = self.held.backing(chunk, buffer)
-            chunk.error = None
+            chunk.take(view, self.held.backing(chunk, buffer))
             self._count_read(chunk)
             self.trace.chunk("read", chunk, (asked, began, ended), demand=not prefetched)
             self.held.add(chunk)

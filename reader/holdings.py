@@ -72,17 +72,14 @@ class Holdings:
     def _forget_edges(self, chunk: Chunk):
         if self.passed.pop(id(chunk), None) is not None:
             self._passed_bytes -= len(chunk.head) + len(chunk.tail)
-            chunk.head = chunk.tail = b""
+            chunk.forget_edges()
 
     def free(self, chunk: Chunk):
         """A loaded chunk lets go of its memory and its part of the budget."""
         self._forget_edges(chunk)
         if self.loaded.pop(id(chunk), None) is not None:
             self.pushed.pop(id(chunk), None)
-            if chunk.backing is not None:
-                chunk.backing.done()
-            chunk.backing, chunk.buffer = None, None
-            chunk.head = chunk.tail = b""
+            chunk.unload()
             self.budget.release(self.cost(chunk))
 
     def free_all(self):

@@ -92,10 +92,10 @@ class ViewStream:
         for chunks in files_chunks:
             prefetchable = sorted((c for c in chunks if not c.on_demand), key=lambda c: c.order)
             file = FileStream(stream, prefetchable)
+            data = 0
             for pos, chunk in enumerate(prefetchable):
-                chunk.stream_pos, chunk.file = pos, file
-            for i, chunk in enumerate(c for c in prefetchable if not c.fill):
-                chunk.signal = i % SIGNAL_EVERY_CHUNKS == 0
+                chunk.place(file, pos, signal=not chunk.fill and data % SIGNAL_EVERY_CHUNKS == 0)
+                data += not chunk.fill
             stream.files.append(file)
             stream.planned_bytes += sum(c.length for c in prefetchable if not c.fill)
         return stream
@@ -133,5 +133,4 @@ class ViewStream:
         for file in self.files:
             file.cursor, file.frontier, file.reading, file.requested_bytes, file.reached = 0, 0, False, 0, 0
             for chunk in file.chunks:
-                chunk.handed_anew()
-                chunk.requested = False
+                chunk.restart()

@@ -90,12 +90,10 @@ class LazyView:
             return False
         vfile, inode = self.view.files[position], self.inodes[position]
         extents = vfile.extents()
-        runs = {e.offset: ChunkRun(e) for e in extents if e.kind == "data"}
+        runs = {e.offset: ChunkRun(e, file_id=inode) for e in extents if e.kind == "data"}
         # Fill is served from memory, never from chunks; its chunks are only pushed.
         chunks = [c for run in runs.values() for c in run.chunks]
-        chunks += [c for e in extents if e.kind == "fill" for c in split_extent(e)]
-        for chunk in chunks:
-            chunk.file_id = inode
+        chunks += [c for e in extents if e.kind == "fill" for c in split_extent(e, file_id=inode)]
         path = f"{self.directory}/{vfile.name}"
         self.engine.trace.file(inode, path)
         listing = listing_pages(len(vfile.header), [t.offset for t in vfile.tensors])
