@@ -4,9 +4,10 @@ tests/test_engines.py and `python3 -m dev gpu-load --engine`, under `rankfs run`
 
     python3 -m dev.engine_driver sglang|vllm JOBS_JSON
 
-JOBS_JSON: [{"directory", "phase": "target"|"draft", "layout": MoELayout fields, "counts": {expert
-group: experts}, "device": "cpu" (default) or "cuda", "uncache": [files to drop from the page cache
-first]}, ...], loaded in order in this one process. ENGINE_DRIVER_STAGE_ON=host: the hook stages as
+JOBS_JSON: [{"directory", "model": the original checkpoint (its headers give the parameters' shapes,
+as the engine's config does), "phase": "target"|"draft", "layout": MoELayout fields, "counts":
+{expert group: experts}, "device": "cpu" (default) or "cuda", "uncache": [files to drop from the
+page cache first]}, ...], loaded in order in this one process. ENGINE_DRIVER_STAGE_ON=host: the hook stages as
 it does on a GPU (bounce buffers into device slabs), host memory standing in for the GPU's.
 ENGINE_DRIVER_PLUGINS=1: vLLM's general plugins are loaded first, as vLLM's processes do.
 Prints one JSON line per load: the parameters' digests, the seconds it took, the releases the hook
@@ -29,7 +30,7 @@ import types
 
 import torch
 
-from dev.bench.engine_like import MoELayout, digest, narrowed
+from dev.bench.engine_like import MoELayout, allocate, digest, narrowed, shard_files
 from dev.memstate import uncache
 from rankfs.plan.profiles import BY_NAME
 
@@ -37,21 +38,27 @@ PROFILE = BY_NAME["deepseek-v4"]
 
 
 class TinyMoE(torch.nn.Module):
-    """Stands in for the engine's model class: it consumes the weights iterator and copies each
-    tensor it owns, narrowed as FusedMoE narrows, into a parameter of its own."""
+    """Stands in for the engine's model class: built with its parameters (on `device`, shaped from
+    the headers of the checkpoint `model`, before the load, as the engines build theirs), it
+    consumes the weights iterator and copies each tensor it owns, narrowed as FusedMoE narrows,
+    into its parameter."""
 
-    def __init__(self, phase: str, layout: MoELayout, counts: dict, device: str = "cpu"):
+    def __init__(self, phase: str, layout: MoELayout, counts: dict, model: str, device: str = "cpu"):
         super().__init__()
         self.phase, self.layout, self.counts, self.device = phase, layout, counts, device
-        self.weights: dict[str, torch.Tensor] = {}
+        self.weights = allocate(shard_files(model), PROFILE, layout, counts, keep=self.owns, device=device)
+
+    def owns(self, name: str) -> bool:
+        """The target skips the draft's tensors; the draft takes only those."""
+        return name.startswith("mtp.") == (self.phase == "draft")
 
     def load_weights(self, weights):
         for name, tensor in weights:
-            if name.startswith("mtp.") != (self.phase == "draft"):
-                continue  # the target skips the draft's tensors; the draft takes only those
+            if not self.owns(name):
+                continue
             source = narrowed(name, tensor, PROFILE, self.layout, self.counts)
             if source is not None:
-                self.weights.setdefault(name, torch.empty(source.shape, dtype=source.dtype, device=self.device)).copy_(source)
+                self.weights[name].copy_(source)
         self.collector_in_load = gc.isenabled()
         return None
 
@@ -182,7 +189,7 @@ def main(engine: str, jobs: list[dict]):
     for job in jobs:
         device = job.get("device", "cpu")
         uncache(job.get("uncache", []))
-        model = TinyMoE(job["phase"], MoELayout(**job["layout"]), job["counts"], device)
+        model = TinyMoE(job["phase"], MoELayout(**job["layout"]), job["counts"], job["model"], device)
         began = time.monotonic()
         load(job["directory"], model, job["phase"] == "draft", torch.device(device))
         seconds = time.monotonic() - began

@@ -43,7 +43,8 @@ def jobs_for(checkpoint, mounts: dict) -> list[dict]:
     for name, mountpoint in mounts.items():
         for phase in ("target", "draft"):
             for directory in (checkpoint, mountpoint / phase):
-                jobs.append(dict(directory=str(directory), phase=phase, layout=LAYOUTS[name][1], counts=counts))
+                jobs.append(dict(directory=str(directory), model=str(checkpoint), phase=phase, layout=LAYOUTS[name][1],
+                                 counts=counts))
     return jobs
 
 
@@ -109,7 +110,8 @@ def test_sources_the_engine_cannot_see_are_read_through_the_view(tiny_checkpoint
     """An engine that sees the mount but not the checkpoint behind it (a container): here a mount
     namespace with an empty tmpfs over the checkpoint. The hook reads the view itself."""
     sliced = mounts["ep1-sliced"]
-    jobs = [job for job in jobs_for(tiny_checkpoint, {"ep1-sliced": sliced}) if job["directory"] != str(tiny_checkpoint)]
+    jobs = [dict(job, model=job["directory"])  # the engine's model shaped from what it sees: the view
+            for job in jobs_for(tiny_checkpoint, {"ep1-sliced": sliced}) if job["directory"] != str(tiny_checkpoint)]
     before = json.loads(rankfs("status", sliced, "--json").stdout)["read_bytes"]
     hidden = f"mount -t tmpfs none {tiny_checkpoint} && exec \"$@\""
     reports, stderr = drive("sglang", jobs, {}, ["unshare", "--mount", "--propagation", "private", "sh", "-c",

@@ -197,8 +197,8 @@ def _drive(engine: str, jobs: list[dict], runner: list[str], env: dict) -> tuple
 def _engine_jobs(directory, args) -> list[dict]:
     counts = expert_counts(shard_files(args.checkpoint), BY_NAME["deepseek-v4"])
     layout = _layout(args.tp_size, args.tp_rank, args.ep_size)
-    return [{"directory": str(Path(directory) / phase), "phase": phase, "layout": layout, "counts": counts,
-             "device": args.device} for phase in ("target", "draft")]
+    return [{"directory": str(Path(directory) / phase), "model": args.checkpoint, "phase": phase, "layout": layout,
+             "counts": counts, "device": args.device} for phase in ("target", "draft")]
 
 
 def _verdict(report: dict, original: dict, released: list[str], stderr: str) -> dict:
