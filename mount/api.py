@@ -158,7 +158,8 @@ def mount_config(checkpoint, mountpoint, *, tp_size: int, tp_rank: int | None = 
                  ep_size: int = 1, tp_slice: str = "auto", placement: str = "sglang", n_experts: int | None = None,
                  profile: str | None = None, revision: str | None = None, inflight_gb: float | None = None,
                  workers: int = 8, readahead_mb: int = 16, direct_io: bool = False, push: bool = True,
-                 push_threads: int | None = None, allow_other: bool = False, allow_outside_symlinks: bool = False,
+                 push_threads: int | None = None, keep_cache: bool = False, allow_other: bool = False,
+                 allow_outside_symlinks: bool = False,
                  fuse_options=(), debug_fuse: bool = False, trace: str | None = None,
                  log: str | None = None) -> MountConfig:
     """What a mount serves and how (`rankfs mount --help` says what each argument means)."""
@@ -175,7 +176,8 @@ def mount_config(checkpoint, mountpoint, *, tp_size: int, tp_rank: int | None = 
         checkpoint=directory, mountpoint=mountpoint,
         specs=rank_specs(tp_size, tp_rank, local_ranks, ep_size, tp_slice, placement, n_experts),
         budget_bytes=budget, profile=profile, workers=workers, direct_io=direct_io, push=push,
-        push_threads=push_threads or default_push_threads(limits.cpu_count()), readahead_kb=readahead_mb * 1024,
+        push_threads=push_threads or default_push_threads(limits.cpu_count()), keep_cache=keep_cache,
+        readahead_kb=readahead_mb * 1024,
         allow_other=allow_other or "allow_other" in options,
         allow_outside_symlinks=allow_outside_symlinks or from_hub,
         fuse_options=tuple(o for o in options if o != "allow_other"), debug_fuse=debug_fuse,

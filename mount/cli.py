@@ -124,6 +124,10 @@ def parser():
     g.add_argument("--push-threads", type=_count, metavar="N",
                    help="threads pushing read-ahead into the views' page cache (default: 8, two a core "
                         "at most of the cores this process may use: its affinity and CPU quota)")
+    _switch(g, "--keep-cache",
+            help="keep the views' pages in the page cache once a loader is done with them, for an engine "
+                 "restarted on the mount to find them (default: a file's pages are dropped once the "
+                 "loader that read it closed it: the memory is the engine's, its KV pool is sized from it)")
     _switch(g, "--allow-other",
             help="let other users read the mount and write its control file (same as -o "
                  "allow_other; needs user_allow_other in /etc/fuse.conf for non-root users)")
@@ -187,6 +191,7 @@ def cmd_mount(args) -> int:
         ep_size=args.ep_size, tp_slice=args.tp_slice, placement=args.placement, n_experts=args.n_experts,
         profile=args.profile, revision=args.revision, inflight_gb=args.inflight_gb, workers=args.workers,
         readahead_mb=args.readahead_mb, direct_io=args.direct_io, push=args.push, push_threads=args.push_threads,
+        keep_cache=args.keep_cache,
         allow_other=args.allow_other, allow_outside_symlinks=args.allow_outside_symlinks,
         fuse_options=[o for opts in args.options for o in opts.split(",")], debug_fuse=args.debug_fuse,
         trace=args.trace, log=args.log)

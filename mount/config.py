@@ -27,6 +27,7 @@ class MountConfig:
     direct_io: bool = False
     push: bool = True
     push_threads: int = 8  # notify_store calls at once (default_push_threads)
+    keep_cache: bool = False  # the views' pages stay cached once the loader is done with them
     readahead_kb: int = 16384
     max_background: int = 64
     congestion_threshold: int = 48

@@ -29,7 +29,7 @@ from rankfs.reader.engine import ReadEngine
 from rankfs.reader.host_pages import HostPages
 from rankfs.common.trace import Trace
 from rankfs.vfs.fs import RankFS
-from rankfs.vfs.push import push_prefetched
+from rankfs.vfs.push import drop_consumed, push_prefetched
 from rankfs.vfs.tree import Tree
 
 log = logging.getLogger("rankfs.daemon")
@@ -166,6 +166,8 @@ class Daemon:
             await nursery.start(self.engine.run)
             if self.config.push:
                 nursery.start_soon(push_prefetched, self.engine, self.config.push_threads)
+            if not self.config.keep_cache:
+                nursery.start_soon(drop_consumed, self.engine)
             nursery.start_soon(self._signals, nursery.cancel_scope)
             nursery.start_soon(self._after_start, on_ready)
             await pyfuse3.main(min_tasks=4, max_tasks=64)

@@ -61,4 +61,5 @@ class Stats:
     reread_bytes: int = 0  # whole chunks read again: the kernel asked for them after they were let go
     evicted_reread_bytes: int = 0  # of them, chunks the kernel asked again for pages it had been handed: it evicted them
     uncache_pending_bytes: int = 0  # served source pages not yet dropped from the page cache
+    dropped_bytes: int = 0  # the view's pages the loader was done with, dropped from its page cache
     errors: int = 0

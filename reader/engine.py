@@ -23,7 +23,6 @@ import time
 import trio
 
 from rankfs.common.contract import Source
-from rankfs.common.limits import cgroups, memory_room
 from rankfs.plan.extents import Extent
 from rankfs.reader.accounting import Budget, Stats
 from rankfs.reader.buffers import Backing
@@ -43,10 +42,6 @@ PUSH_GAP_CHUNKS = 4
 # or skipped) stops counting against the budget once the loader's frontier is this many chunks past it.
 PUSH_LAG_CHUNKS = 32
 MIN_PUSH_BYTES = 64 << 10
-# The read-ahead's budget halves each time the kernel evicts what was handed, down to this many chunks.
-PUSHED_FLOOR_CHUNKS = 1
-# How often the read-ahead asks how much room the process's cgroup leaves it.
-PACE_SECONDS = 0.1
 # A view is prefetched once it has served this much: a loader, not a look at a header.
 PREFETCH_AFTER_BYTES = 4 * CHUNK_BYTES
 
@@ -60,8 +55,6 @@ class ReadEngine:
         self.trace = trace or Trace()
         self.views: dict[str, ViewStream] = {}
         self._reader = SourceReader(sources, direct_io)
-        self._cgroups = cgroups()  # this process's, for the room its read-ahead may take
-        self._paced_at = 0.0
         # Read-ahead has its threads, and reads a request waits on theirs: never queued behind it.
         self._ahead_threads = trio.CapacityLimiter(workers)
         self._waited_threads = trio.CapacityLimiter(workers)
@@ -74,6 +67,8 @@ class ReadEngine:
         self._nursery: trio.Nursery | None = None
         self._pushable_send, self.pushable = trio.open_memory_channel(math.inf)
         self._replied_send, self._replied = trio.open_memory_channel(math.inf)
+        self._droppable_send, self.droppable = trio.open_memory_channel(math.inf)
+        self._dropping = False
         self._pushing = False
         self.fill = Fill()
         self.drops = 0  # a push begun before a drop must not leave its pages behind after it
@@ -119,6 +114,8 @@ class ReadEngine:
         if file.handles == 0 and file.consuming:
             for chunk in [c for c in self.held.loaded.values() if c.file is file]:
                 self.held.let_pass(chunk)
+        if file.handles == 0 and file.consumed_some:
+            self._drop_read(file)
         file.reading = file.reading and file.handles > 0
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED):
@@ -216,7 +213,7 @@ class ReadEngine:
         """Bytes handed were evicted before the loader read them (memory pressure: a cgroup's
         limit): counted, and the read-ahead goes less far, so that what is pushed stays cached."""
         self.stats.evicted_reread_bytes += nbytes
-        self.budget.shrink(floor=PUSHED_FLOOR_CHUNKS * CHUNK_BYTES)
+        self.held.shrink_read_ahead()
 
     def answered(self, chunk: Chunk, lo: int, hi: int):
         """Account bytes [lo, hi) of the chunk that a loader's request was answered with."""
@@ -301,6 +298,21 @@ class ReadEngine:
                       - (0 if c.stream_pos < file.reached else PUSH_LAG_CHUNKS)]:
             self.held.let_pass(chunk)
 
+    def enable_dropping(self):
+        """Offer the view's pages the loader is done with on `droppable` from now on."""
+        self._dropping = True
+
+    def _drop_read(self, file: FileStream):
+        """A file the loader read, that nothing holds open or maps any more, leaves the page cache:
+        the loader copied it into its own memory, and kept it would take that much again. A chunk
+        read again (a new reader) is read anew, not as evicted."""
+        if self._dropping and not file.read_direct:
+            for chunk in file.not_dropped():
+                if id(chunk) not in self.held.loaded:
+                    chunk.handed_anew()
+                    self._droppable_send.send_nowait((chunk.file_id, chunk.start, chunk.end))
+                    self.stats.dropped_bytes += chunk.length
+
     async def uncache(self, ranges: list[tuple[int, int, int]]):
         """(source, begin, end) ranges leave the sources' page cache (in a worker thread)."""
         if ranges:
@@ -349,7 +361,7 @@ class ReadEngine:
         this_pass = view.passes
         try:
             while view.passes == this_pass:
-                self._pace_to_room()
+                self.held.pace_to_room()
                 await self.budget.wait_for_room(CHUNK_BYTES)
                 # Chosen once a read can start: files' consumption may have changed meanwhile.
                 await self._ahead_bytes.wait_for_room(CHUNK_BYTES)
@@ -371,18 +383,6 @@ class ReadEngine:
         finally:
             if view.passes == this_pass:
                 view.running = False
-
-    def _pace_to_room(self):
-        """Where a cgroup limits the daemon's memory, read ahead a quarter of what it leaves at
-        most, asked every PACE_SECONDS: the loader in the same cgroup takes more as it goes (its
-        mapped pages), and what is pushed past the room is evicted before it is read."""
-        now = time.monotonic()
-        if now - self._paced_at < PACE_SECONDS:
-            return
-        self._paced_at = now
-        room = memory_room(self._cgroups)
-        if room is not None:
-            self.budget.limit = max(PUSHED_FLOOR_CHUNKS * CHUNK_BYTES, min(self.budget.limit, room // 4))
 
     # -- loading --------------------------------------------------------------------------------
 

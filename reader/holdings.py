@@ -7,12 +7,14 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import time
 
 import trio
 
 from rankfs.reader.accounting import Budget, Stats
 from rankfs.reader.buffers import Backing, BufferPool
-from rankfs.reader.chunks import Chunk
+from rankfs.common.limits import cgroups, memory_room
+from rankfs.reader.chunks import CHUNK_BYTES, Chunk
 from rankfs.reader.source_reader import SourceReader
 
 log = logging.getLogger("rankfs.reader")
@@ -24,6 +26,10 @@ DEMAND_SLACK = 64 << 20
 # after their budget went: a reader out of the stream's order (cp, a read by offset) then reads a
 # chunk's edges from memory, not the whole chunk again.
 PASSED_EDGE_BYTES = 16 << 20
+# The read-ahead's budget halves each time the kernel evicts what was handed, down to this.
+READ_AHEAD_FLOOR_BYTES = CHUNK_BYTES
+# How often the read-ahead asks how much room the process's cgroup leaves it.
+PACE_SECONDS = 0.1
 
 
 class Holdings:
@@ -38,6 +44,24 @@ class Holdings:
         self.passed: collections.OrderedDict[int, Chunk] = collections.OrderedDict()  # edges kept, unbudgeted
         self._passed_bytes = 0
         self._to_uncache: list[tuple[int, int, int]] = []
+        self._cgroups = cgroups()  # this process's, for the room its read-ahead may take
+        self._paced_at = 0.0
+
+    def pace_to_room(self):
+        """Where a cgroup limits the daemon's memory, read ahead a quarter of what it leaves at
+        most, asked every PACE_SECONDS: the loader in the same cgroup takes more as it goes (its
+        mapped pages), and what is pushed past the room is evicted before it is read."""
+        now = time.monotonic()
+        if now - self._paced_at < PACE_SECONDS:
+            return
+        self._paced_at = now
+        room = memory_room(self._cgroups)
+        if room is not None:
+            self.budget.limit = max(READ_AHEAD_FLOOR_BYTES, min(self.budget.limit, room // 4))
+
+    def shrink_read_ahead(self):
+        """The kernel evicted pages it was handed: the read-ahead goes less far."""
+        self.budget.shrink(floor=READ_AHEAD_FLOOR_BYTES)
 
     def cost(self, chunk: Chunk) -> int:
         """What a chunk in memory counts against the budget: its buffer's size."""

@@ -33,6 +33,7 @@ class FileStream:
     reading: bool = False  # read since it was opened
     requested_bytes: int = 0  # source bytes a loader's requests were answered with since then
     reached: int = 0  # the furthest stream position a loader asked for
+    dropped: bool = False  # its pages were dropped from the page cache once the loader was done
     listed: bool = False  # the pages a listing reads were pushed, at its first open (a drop leaves them out)
 
     def passed(self, chunk: Chunk) -> bool:
@@ -40,6 +41,12 @@ class FileStream:
         read (fill), or it was pushed and the loader has asked for a later chunk (a signal page the
         listing pushed is never asked for)."""
         return chunk.requested or chunk.fill or (chunk.pushed and chunk.stream_pos < self.reached)
+
+    def not_dropped(self) -> list[Chunk]:
+        """Its chunks whose pages were not dropped since it was last read from its start; from now
+        on, all were."""
+        dropped, self.dropped = self.dropped, True
+        return [] if dropped else self.chunks
 
     def lead(self) -> int:
         return self.cursor - self.frontier
@@ -66,6 +73,12 @@ class FileStream:
     def consuming(self) -> bool:
         """A loader reads its tensors, not only the header and the kernel's read-around."""
         return self.reading and self.requested_bytes >= CONSUMING_BYTES
+
+    @property
+    def consumed_some(self) -> bool:
+        """A loader read its tensors, by requests or from pushed pages (its frontier is past more
+        than a header's read-around)."""
+        return self.consuming or self.frontier * CHUNK_BYTES > CONSUMING_BYTES
 
 
 @dataclass
@@ -132,5 +145,6 @@ class ViewStream:
         self.running, self.passes, self.reader_bytes = False, self.passes + 1, 0  # ends the pass under way
         for file in self.files:
             file.cursor, file.frontier, file.reading, file.requested_bytes, file.reached = 0, 0, False, 0, 0
+            file.dropped = False
             for chunk in file.chunks:
                 chunk.restart()

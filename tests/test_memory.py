@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -18,6 +19,7 @@ from conftest import direct_digests, mapped_digests, mounted, rankfs, settled_st
 from dev.bench.trace_summary import read_events
 from dev.mounting import ROOT
 from dev.memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
+from rankfs.common.disk import PAGE
 from rankfs.common import contract
 from rankfs.reader.engine import DEMAND_SLACK
 
@@ -158,7 +160,8 @@ def test_pushed_pages_the_kernel_evicted_are_read_again_and_counted_apart(large_
     """A pushed chunk whose pages the kernel evicted before the reader came is read again when asked
     for, the same bytes, and counted apart from the daemon's own rereads: memory pressure (or these
     VMs' DAMON pageout) took them, not the daemon. Here the view's pages are evicted by hand."""
-    flags = ("--tp-size", 2, "--tp-rank", 0, "--ep-size", 2, "--inflight-gb", 128 * MIB / (1 << 30))
+    # --keep-cache: the pages the first read leaves are the kernel's to evict, not the daemon's to drop.
+    flags = ("--tp-size", 2, "--tp-rank", 0, "--ep-size", 2, "--inflight-gb", 128 * MIB / (1 << 30), "--keep-cache")
     with mounted(large_checkpoint, mount_dir, *flags):
         first = mapped_digests(mount_dir / "target")
         before = settled_status(mount_dir)
@@ -202,6 +205,28 @@ def _read_twice(checkpoint, mount_dir, read) -> tuple[dict, dict]:
         assert read(mount_dir / "target") == first
         after = settled_status(mount_dir)
     return before, after
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_loaders_pages_leave_the_page_cache_once_it_is_done_with_them(large_checkpoint, mount_dir, keep):
+    """A loader's copies are its own memory: a file's pages leave the page cache once the loader
+    that read it closed it (kept, they would shrink the memory the engine's KV pool is sized from),
+    unless the mount keeps them (`--keep-cache`). Read again, the same bytes."""
+    flags = ("--tp-size", 4, "--tp-rank", 1, *(["--keep-cache"] if keep else []))
+    with mounted(large_checkpoint, mount_dir, *flags):
+        files = sorted((mount_dir / "target").glob("*.safetensors"))
+        first = mapped_digests(mount_dir / "target")
+        size = sum(p.stat().st_size for p in files)
+        deadline = time.monotonic() + 30  # the kernel sends a file's release after its close returns
+        while (cached := sum(resident_pages(p) for p in files) * PAGE) > 0.02 * size and not keep \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = settled_status(mount_dir)
+        if keep:
+            assert cached > 0.5 * size and status["dropped_bytes"] == 0
+        else:  # the headers' pages stay
+            assert cached <= 0.02 * size and status["dropped_bytes"] >= 0.9 * _planned(status)
+        assert mapped_digests(mount_dir / "target") == first
 
 
 def test_drop_leaves_no_page_cache(tiny_checkpoint, mount_dir):

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import struct
 import time
 
 import pyfuse3
@@ -93,6 +95,45 @@ def _batch(engine: ReadEngine, first: Chunk, offers: trio.MemoryReceiveChannel, 
             chunk = offers.receive_nowait()
         except trio.WouldBlock:
             return batch
+
+
+async def drop_consumed(engine: ReadEngine):
+    """Drop from the views' page cache the ranges the engine offers, until cancelled."""
+    engine.enable_dropping()
+    device = _fuse_device()
+    if device is None:
+        log.warning("no /dev/fuse descriptor in this process: the views' pages stay cached after a load")
+        return
+    async for inode, start, end in engine.droppable:
+        await trio.to_thread.run_sync(_invalidate_range, device, inode, start, end)
+
+
+def _fuse_device() -> int | None:
+    """This process's descriptor of its FUSE connection (libfuse's session, opened at the mount)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                return int(name)
+        except OSError:
+            continue
+    return None
+
+
+# FUSE_NOTIFY_INVAL_INODE (include/uapi/linux/fuse.h): a fuse_out_header whose error field holds the
+# notify code and whose unique is 0, then fuse_notify_inval_inode_out {ino, off, len}. pyfuse3's
+# invalidate_inode drops a whole file; a range needs the message itself.
+_NOTIFY_INVAL_INODE = 2
+_INVAL_RANGE = struct.Struct("<IiQQqq")
+
+
+def _invalidate_range(device: int, inode: int, start: int, end: int):
+    """The kernel drops the pages of [start, end) of the file from its page cache, unmapping them
+    from whoever maps them (a later read asks for them again)."""
+    try:
+        os.write(device, _INVAL_RANGE.pack(_INVAL_RANGE.size, _NOTIFY_INVAL_INODE, 0, inode, start, end - start))
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:  # the kernel forgot the file meanwhile: nothing cached
+            log.warning("dropping %d bytes at %d of inode %d failed: %s", end - start, start, inode, exc)
 
 
 def _store_all(pushes: list[tuple[int, int, memoryview]]) -> list[tuple[bool, float, float]]:
