@@ -23,6 +23,7 @@ import time
 import trio
 
 from rankfs.common.contract import Source
+from rankfs.common.disk import joined_pages
 from rankfs.plan.extents import Extent
 from rankfs.reader.accounting import Budget, Stats
 from rankfs.reader.buffers import Backing
@@ -306,12 +307,14 @@ class ReadEngine:
         """A file the loader read, that nothing holds open or maps any more, leaves the page cache:
         the loader copied it into its own memory, and kept it would take that much again. A chunk
         read again (a new reader) is read anew, not as evicted."""
-        if self._dropping and not file.read_direct:
-            for chunk in file.not_dropped():
-                if id(chunk) not in self.held.loaded:
-                    chunk.handed_anew()
-                    self._droppable_send.send_nowait((chunk.file_id, chunk.start, chunk.end))
-                    self.stats.dropped_bytes += chunk.length
+        if not self._dropping or file.read_direct:
+            return
+        chunks = [c for c in file.not_dropped() if id(c) not in self.held.loaded]
+        for chunk in chunks:
+            chunk.handed_anew()
+            self.stats.dropped_bytes += chunk.length
+        for begin, end in joined_pages([(c.start, c.end) for c in chunks]):  # a few ranges, not a chunk each
+            self._droppable_send.send_nowait((chunks[0].file_id, begin, end))
 
     async def uncache(self, ranges: list[tuple[int, int, int]]):
         """(source, begin, end) ranges leave the sources' page cache (in a worker thread)."""
