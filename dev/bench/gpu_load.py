@@ -118,8 +118,8 @@ def _run_ranks(loads: list[tuple[int, dict]], device: str) -> list[dict]:
 
 
 def load_like(args) -> int:
-    """The engine-like loader, one process per rank, all at once: stock, InstantTensor (the rank's
-    tensors; on CUDA) and the hook; each rank checked bitwise against its stock load, and the bytes
+    """The engine-like loader, one process per rank, all at once: stock, the hook and InstantTensor
+    (the rank's tensors; on CUDA); each rank checked bitwise against its stock load, and the bytes
     the ranks read from the disk against the union and the sum of their plans."""
     ranks = [int(r) for r in args.local_ranks.split(",")] if args.local_ranks else [args.tp_rank]
     plans = _rank_plans(args, ranks)
@@ -128,7 +128,7 @@ def load_like(args) -> int:
     rank_flags = ["--local-ranks", args.local_ranks] if args.local_ranks else ["--tp-rank", args.tp_rank]
     modes = [("stock", "stock", {}), ("hook", "stock", {"hook": True})]
     if args.device == "cuda":
-        modes.insert(1, ("instanttensor", "instanttensor", {"filtered": True}))
+        modes.append(("instanttensor", "instanttensor", {"filtered": True}))
     same = True
     _prepare_sources(args)
     paths = {i: str(p) for i, p in enumerate(shard_files(args.checkpoint))}
