@@ -46,8 +46,7 @@ class Trace:
         if self._out is not None:
             if times is not None:
                 fields.update(zip(("asked", "began", "ended"), times))
-            self.event(event, inode=chunk.file_id, offset=chunk.start, bytes=chunk.length, fill=chunk.fill,
-                       **fields)
+            self.event(event, inode=chunk.file_id, offset=chunk.start, bytes=chunk.length, **fields)
 
     def request(self, path: str, offset: int, nbytes: int, seconds: float):
         if self._out is not None:

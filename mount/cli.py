@@ -112,8 +112,9 @@ def parser():
     g.add_argument("--workers", type=_count, default=8, metavar="N",
                    help="threads reading the sources ahead, N x 8 MiB in flight at most, and as many "
                         "for reads a loader waits on (default: 8)")
-    g.add_argument("--readahead-mb", type=_count, default=16, metavar="MIB",
-                   help="the mount's kernel readahead, in MiB (default: 16)")
+    g.add_argument("--readahead-mb", type=_count, metavar="MIB",
+                   help="the mount's kernel readahead, in MiB: what a page fault the daemon's pushes have "
+                        "not covered reads around it (default: 1)")
     _switch(g, "--direct-io",
             help="read every chunk of the sources into buffers, none from maps of them (default: "
                  "from maps where the page cache holds the chunk, read direct (O_DIRECT) into a "

@@ -14,6 +14,9 @@ from rankfs.plan.spec import RankSpec
 # smaller budget leaves most of a warm load to FUSE requests (figures: docs/benchmark.md).
 DEFAULT_BUDGET_BYTES = 4 * GIB
 MIN_BUDGET_BYTES = 64 << 20
+# The kernel's read-around of a page fault the pushes have not covered: at 16 MiB, a sliced tensor's
+# fault asks for the fill around its slice too, requests that keep the daemon from pushing.
+DEFAULT_READAHEAD_MB = 1
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class MountConfig:
     push: bool = True
     push_threads: int = 8  # notify_store calls at once (default_push_threads)
     keep_cache: bool = False  # the views' pages stay cached once the loader is done with them
-    readahead_kb: int = 16384
+    readahead_kb: int = DEFAULT_READAHEAD_MB * 1024
     max_background: int = 64
     congestion_threshold: int = 48
     allow_other: bool = False

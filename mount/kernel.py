@@ -52,7 +52,7 @@ def connection(entry: MountEntry) -> Path:
 
 
 def tune(entry: MountEntry, readahead_kb: int, max_background: int, congestion_threshold: int) -> dict:
-    """Large readahead and a deep background queue, so page faults become large parallel reads.
+    """The mount's readahead, and a deep background queue, so page faults become parallel reads.
     Needs root; without it the mount works with the kernel defaults (logged)."""
     done = {"read_ahead_kb": _write(Path(f"/sys/class/bdi/{entry.device}/read_ahead_kb"), readahead_kb)}
     fuse = connection(entry)

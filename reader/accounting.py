@@ -53,7 +53,7 @@ class Stats:
     demand_loads: int = 0
     prefetch_loads: int = 0
     pushed_bytes: int = 0
-    pushed_fill_bytes: int = 0  # fill outside the rank's slices, pushed with no read
+    pushed_fill_bytes: int = 0  # fill outside the rank's slices, pushed on the pages a chunk shares with it
     listing_pages: int = 0  # pushed as a file was first opened: what a safetensors listing reads
     listing_pages_left: int = 0  # those a listing reads left to requests: not in the sources' page cache, or not stored
     listing_pages_refused: int = 0  # of those left, the ones the kernel would not store

@@ -27,7 +27,7 @@ class Chunk:
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "requested",
                  "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed",
-                 "handed", "signal", "pushed")
+                 "handed", "signal", "pushed", "fill_before", "fill_after")
 
     def __init__(self, extent: Extent, start: int, length: int, file_id: int = 0):
         self.start = start  # offset in the virtual file
@@ -55,6 +55,8 @@ class Chunk:
         self.handed: list[tuple[int, int]] = []  # the ranges handed (file offsets), disjoint, in order
         self.signal = not self.fill  # a push leaves its first page out (`push_range`); see SIGNAL_EVERY_CHUNKS
         self.pushed = False  # its pages were pushed into the view's page cache
+        # Fill sharing its first and last page, which a push completes those pages with (`set_fill_edges`).
+        self.fill_before = self.fill_after = 0
 
     @property
     def end(self) -> int:
@@ -107,10 +109,18 @@ class Chunk:
         """It was read: its bytes lie in `buffer`, within `backing`."""
         self.buffer, self.backing, self.error = buffer, backing, None
 
+    def set_fill_edges(self, before: bool = False, after: bool = False):
+        """Fill lies before it (`before`) on the page it starts on, or after it (`after`) on the
+        page it ends on."""
+        if before:
+            self.fill_before = self.start - align_down(self.start)
+        if after:
+            self.fill_after = align_up(self.end) - self.end
+
     def keep_edges(self, start: int, end: int):
         """Its pages [start, end) are in the view's page cache: it keeps the bytes around them and
         lets go of the rest of its memory."""
-        a, b = start - self.start, end - self.start
+        a, b = max(0, start - self.start), min(self.length, end - self.start)
         self.head, self.tail = bytes(self.buffer[:a]), bytes(self.buffer[b:])
         self.buffer = None
         self.backing.done()
@@ -142,10 +152,36 @@ class Chunk:
         self.pushed = False  # this copy is not
 
     def push_range(self) -> tuple[int, int]:
-        """The whole pages a push stores: all but the partial ones and, of a signal chunk, the first
-        (the loader's read of it tells the engine how far the file is consumed)."""
+        """The pages a push stores: its whole pages, and those it shares with fill, completed with
+        it (a sliced tensor's loader reads the first and last page of its slice: left out, each
+        would be a request, with the kernel's read-around of fill behind it); of a signal chunk,
+        not its first whole page nor a partial one before it (the loader's read of them tells the
+        engine how far the file is consumed)."""
         start, end = inner_pages(self.start, self.end)
-        return (start + PAGE if self.signal else start), end
+        if self.signal:
+            start += PAGE
+        elif self.fill_before:
+            start = self.start - self.fill_before
+        return start, (self.end + self.fill_after if self.fill_after else end)
+
+    def push_pieces(self, start: int, end: int, fill: "Fill") -> list[tuple[int, memoryview]]:
+        """Its pages [start, end) (`push_range`) as (offset, bytes) to store: a page it shares with
+        fill joined from both, the pages between straight from its buffer."""
+        head, tail = start < self.start, end > self.end
+        first, last = (start + PAGE if head else start), (end - PAGE if tail else end)
+        pieces = [(first, self.buffer[first - self.start:last - self.start])] if first < last else []
+        if head:
+            pieces.insert(0, (start, self._joined(start, min(start + PAGE, end), fill)))
+        if tail and last >= first:
+            pieces.append((last, self._joined(last, end, fill)))
+        return pieces
+
+    def _joined(self, lo: int, hi: int, fill: "Fill") -> memoryview:
+        """Bytes [lo, hi) of the view, from its buffer and the fill around it."""
+        a, b = max(lo, self.start), min(hi, self.end)
+        parts = [fill.take(max(0, min(hi, self.start) - lo)), self.buffer[a - self.start:max(a, b) - self.start],
+                 fill.take(max(0, hi - max(lo, self.end)))]
+        return memoryview(b"".join(parts))
 
     def read_span(self) -> tuple[int, int]:
         """[begin, end) in its source of one read of it: whole pages, which a direct read fills."""

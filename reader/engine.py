@@ -6,11 +6,12 @@ them with the `Backing` they lie in, owned until the reply is written (`engine.r
 Everything about disks, threads, prefetch order and memory lives here.
 
 Prefetched chunks well ahead of the loader are offered on `pushable` to whoever can put them into the
-kernel's page cache (the serving layer's pusher); a pushed chunk keeps only its edges, the bytes
-outside whole pages, and one chunk in eight its first page too: the loader's read of that page is
-the signal of how far it has consumed the file, which is when the bytes pushed before it stop
-counting against the budget. Chunks of fill (outside a rank's slices) are offered as the prefetch
-passes them: nothing to read, nothing held.
+kernel's page cache (the serving layer's pusher), with the pages they share with fill (outside a
+rank's slices); a pushed chunk keeps only its edges, the bytes on pages shared with other tensors,
+and one chunk in eight its first page too: the loader's read of that page is the signal of how far
+it has consumed the file, which is when the bytes pushed before it stop counting against the
+budget. Fill itself is never pushed: a loader reads only its slices, and the kernel's read-around of
+fill, where a loader gets ahead of the pushes, is answered from memory.
 """
 
 from __future__ import annotations
@@ -260,36 +261,32 @@ class ReadEngine:
             return None
         if chunk.file.reading and chunk.stream_pos <= chunk.file.frontier + PUSH_GAP_CHUNKS:
             return None
-        if not chunk.fill and (chunk.buffer is None or chunk.requested):
+        if chunk.buffer is None or chunk.requested:
             return None
         start, end = chunk.push_range()
         return (start, end) if end - start >= MIN_PUSH_BYTES else None
 
-    def push_memory(self, chunk: Chunk, start: int, end: int) -> tuple[memoryview, Backing | None]:
-        """Bytes [start, end) of an offered chunk to push, and the backing they lie in (owned by the
-        caller until the push returns): fill is memory nobody owns."""
-        if chunk.fill:
-            return self.fill.take(end - start), None
+    def push_memory(self, chunk: Chunk, start: int, end: int) -> tuple[list[tuple[int, memoryview]], Backing]:
+        """Pages [start, end) of an offered chunk to push, as (offset, bytes) pieces, and the
+        backing they lie in (owned by the caller until the push returns)."""
         chunk.backing.own()
-        return chunk.buffer[start - chunk.start:end - chunk.start], chunk.backing
+        return chunk.push_pieces(start, end, self.fill), chunk.backing
 
     def pushed(self, chunk: Chunk, backing: Backing | None, start: int, end: int,
                times: tuple[float, float, float]):
         """[start, end) of the chunk, pushed from `backing`, is in the kernel's page cache: keep only
         the edges. The chunk still counts against the budget until the loader is past it (`FileStream.passed`).
         `times`: when the push was asked of a thread, began and ended, for the trace."""
-        if chunk.fill:
-            self.stats.pushed_fill_bytes += end - start
-            self.trace.chunk("pushed", chunk, times, pushed=end - start)
-            return
         if chunk.backing is not backing:
             return  # freed while it was being pushed (and maybe loaded again since)
-        self.trace.chunk("pushed", chunk, times, pushed=end - start)
+        lo, hi = max(start, chunk.start), min(end, chunk.end)
+        self.trace.chunk("pushed", chunk, times, pushed=hi - lo, pushed_fill=end - start - (hi - lo))
         chunk.keep_edges(start, end)
         self.held.pushed[id(chunk)] = chunk
-        self.stats.pushed_bytes += end - start
+        self.stats.pushed_bytes += hi - lo
+        self.stats.pushed_fill_bytes += end - start - (hi - lo)
         # A chunk with no signal page is never asked for: it counts until the loader asks for a later one.
-        self._handed(chunk, start, end, free=chunk.signal)
+        self._handed(chunk, lo, hi, free=chunk.signal)
 
     def _release_passed(self, file: FileStream):
         # Pushed chunks the loader is past, so no longer budgeted: behind its frontier and a chunk it
@@ -374,9 +371,7 @@ class ReadEngine:
                         or chunk.loading is not None or chunk.handed_bytes >= chunk.length:
                     if chunk is None:
                         return
-                    if chunk.fill and self._pushing:
-                        self._pushable_send.send_nowait(chunk)  # nothing to read: pushed at once
-                    continue  # else read by the loader, in memory or being read
+                    continue  # fill, or read by the loader, in memory or being read
                 self.trace.chunk("queued", chunk)
                 self.stats.prefetch_loads += 1
                 self.budget.reserve(self.held.cost(chunk))

@@ -11,8 +11,9 @@ from rankfs.plan.checkpoint import Checkpoint
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import plan_rank
 from rankfs.plan.spec import RankSpec
-from rankfs.reader.chunks import CHUNK_BYTES, Chunk, listing_pages, split_extent
-from rankfs.common.disk import PAGE
+from rankfs.reader.chunks import CHUNK_BYTES, Chunk, Fill, listing_pages, split_extent
+from rankfs.common.disk import PAGE, align_down, align_up
+from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.engine import ReadEngine
 from rankfs.reader.schedule import CONSUMING_BYTES, SIGNAL_EVERY_CHUNKS, ViewStream
 from rankfs.vfs.tree import LazyView
@@ -104,6 +105,26 @@ def test_chunks_are_cut_on_pages_so_that_no_page_lies_across_two():
     assert chunks[0].start == 10_000 and all(c.start % PAGE == 0 for c in chunks[1:])
     assert [c.end for c in chunks[:-1]] == [c.start for c in chunks[1:]]
     assert chunks[-1].end == extent.offset + extent.length
+
+
+def test_a_slice_is_pushed_with_the_fill_on_its_first_and_last_pages():
+    """A sliced tensor's loader reads its slice's first and last page: pushed with the fill around
+    the slice on them, they are no request; a page shared with another tensor's bytes stays one."""
+    data = bytes(range(256)) * (3 * PAGE // 256)
+    for before, after in [(True, True), (True, False), (False, True), (False, False)]:
+        chunk = split_extent(Extent(10_000, len(data), "data", source=0))[0]
+        chunk.place(None, 1, signal=False)
+        chunk.take(memoryview(data), None)
+        chunk.set_fill_edges(before=before, after=after)
+        start, end = chunk.push_range()
+        assert start == (align_down(10_000) if before else align_up(10_000))
+        assert end == (align_up(10_000 + len(data)) if after else align_down(10_000 + len(data)))
+        pieces = chunk.push_pieces(start, end, Fill())
+        assert [offset for offset, _ in pieces] == sorted(offset for offset, _ in pieces)
+        assert all(a + len(b) == c for (a, b), (c, _) in zip(pieces, pieces[1:])) and pieces[0][0] == start
+        served = bytes([FILL_BYTE]) * (10_000 - align_down(10_000)) + data + bytes([FILL_BYTE]) * PAGE
+        view_from = align_down(10_000)
+        assert b"".join(bytes(b) for _, b in pieces) == served[start - view_from:end - view_from]
 
 
 def test_one_chunk_in_eight_keeps_its_first_page_for_a_request_and_the_others_are_passed_once_a_later_one_is_read():

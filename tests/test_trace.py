@@ -23,8 +23,8 @@ def test_a_trace_accounts_for_the_chunks_the_daemon_read_and_pushed(large_checkp
         status = settled_status(mount_dir)
     events = trace_summary.read_events(trace)  # complete once unmounted
     count = collections.Counter(e["event"] for e in events)
-    data = sum(e["pushed"] for e in events if e["event"] == "pushed" and not e["fill"])
-    fill = sum(e["pushed"] for e in events if e["event"] == "pushed" and e["fill"])
+    data = sum(e["pushed"] for e in events if e["event"] == "pushed")
+    fill = sum(e["pushed_fill"] for e in events if e["event"] == "pushed")
     assert count["queued"] == status["prefetch_loads"] > 0
     assert sum(e["demand"] for e in events if e["event"] == "read") == status["demand_loads"]
     assert (data, fill) == (status["pushed_bytes"], status["pushed_fill_bytes"]) and data > 0 and fill > 0

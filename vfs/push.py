@@ -5,12 +5,12 @@ Every FUSE reply is copied on the one event-loop thread. `notify_store` copies f
 own, so the loader then finds the bytes in page cache and reads them at the kernel's speed with no
 request at all. Only chunks the read engine offers are pushed: whole pages of a chunk well ahead of
 the loader (of one chunk in eight, all but the first, so that the loader's read of it tells the
-engine how far the file is consumed); and the fill outside the rank's slices, which the kernel's
-read-around would otherwise ask for (it costs no read).
+engine how far the file is consumed), with the pages it shares with the fill outside the rank's
+slices completed with fill (a loader reads the first and last page of each slice).
 
 A safetensors reader lists a file before it copies: it reads the header, then the first byte of
 every tensor as it makes it, holding the GIL. Through a mount each of those reads, where the page
-is not cached, is a request with the kernel's readahead (16 MiB) behind it, one at a time for all
+is not cached, is a request with the kernel's readahead behind it, one at a time for all
 the files a loader opened, and the loader's first copy waits for all of them. So a file's first open is answered once those pages are pushed, each where the source's page cache
 holds its bytes (a cold source keeps the requests, whose readahead reads it in large pieces).
 
@@ -62,12 +62,11 @@ async def _push_offered(engine: ReadEngine, offers: trio.MemoryReceiveChannel, t
         try:
             # The thread may be left behind on cancellation: a push blocked on a page lock ends when
             # the unmount aborts the reads holding it.
-            pushes = [(c.file_id, start, data) for c, start, _, data, _ in batch]
+            pushes = [(c.file_id, pieces) for c, _, _, pieces, _ in batch]
             stores = await trio.to_thread.run_sync(_store_all, pushes, abandon_on_cancel=True)
         finally:
             for *_, backing in batch:
-                if backing is not None:
-                    backing.done()
+                backing.done()
         if drops != engine.drops:  # `rankfs drop` ran meanwhile: what these pushes stored must go too
             for inode in {c.file_id for c, *_ in batch}:
                 await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, False)
@@ -79,15 +78,15 @@ async def _push_offered(engine: ReadEngine, offers: trio.MemoryReceiveChannel, t
 
 def _batch(engine: ReadEngine, first: Chunk, offers: trio.MemoryReceiveChannel, threads: int) -> list[tuple]:
     """The first offer and those waiting beyond one for each push thread, up to BATCH_BYTES (so that
-    no thread idles while another pushes in turn): (chunk, start, end, bytes, backing) of each
+    no thread idles while another pushes in turn): (chunk, start, end, pieces, backing) of each
     still worth pushing, its bytes owned until the push returns."""
     batch, size, chunk = [], 0, first
     while True:
         span = engine.push_range(chunk)
         if span is not None:
             start, end = span
-            data, backing = engine.push_memory(chunk, start, end)
-            batch.append((chunk, start, end, data, backing))
+            pieces, backing = engine.push_memory(chunk, start, end)
+            batch.append((chunk, start, end, pieces, backing))
             size += end - start
         if size >= BATCH_BYTES or offers.statistics().current_buffer_used <= threads:
             return batch
@@ -136,10 +135,14 @@ def _invalidate_range(device: int, inode: int, start: int, end: int):
             log.warning("dropping %d bytes at %d of inode %d failed: %s", end - start, start, inode, exc)
 
 
-def _store_all(pushes: list[tuple[int, int, memoryview]]) -> list[tuple[bool, float, float]]:
-    """Runs in a worker thread: each (inode, offset, bytes) stored in turn; whether it was, and
-    when its store began and ended."""
-    return [timed(_store, inode, offset, data) for inode, offset, data in pushes]
+def _store_all(pushes: list[tuple[int, list[tuple[int, memoryview]]]]) -> list[tuple[bool, float, float]]:
+    """Runs in a worker thread: each chunk's (inode, [(offset, bytes), ...]) stored in turn; whether
+    all of it was, and when its stores began and ended."""
+    return [timed(_store_pieces, inode, pieces) for inode, pieces in pushes]
+
+
+def _store_pieces(inode: int, pieces: list[tuple[int, memoryview]]) -> bool:
+    return all([_store(inode, offset, data) for offset, data in pieces])
 
 
 def _store(inode: int, offset: int, data: memoryview) -> bool:

@@ -24,6 +24,7 @@ from typing import Callable
 import trio
 
 from rankfs.common import contract
+from rankfs.common.disk import align_down, align_up
 from rankfs.plan.checkpoint import INDEX_NAME
 from rankfs.plan.extents import Extent, tensors_at
 from rankfs.plan.layout import RankLayout, View, index_json, sources_json
@@ -91,7 +92,12 @@ class LazyView:
         vfile, inode = self.view.files[position], self.inodes[position]
         extents = vfile.extents()
         runs = {e.offset: ChunkRun(e, file_id=inode) for e in extents if e.kind == "data"}
-        # Fill is served from memory, never from chunks; its chunks are only pushed.
+        for before, extent, after in zip([None, *extents], extents, [*extents[1:], None]):
+            if extent.kind == "data":
+                run = runs[extent.offset].chunks
+                run[0].set_fill_edges(before=_fills(before, align_down(extent.offset), extent.offset))
+                run[-1].set_fill_edges(after=_fills(after, extent.end, align_up(extent.end)))
+        # Fill is served from memory, never from chunks; its chunks only mark its place in the stream.
         chunks = [c for run in runs.values() for c in run.chunks]
         chunks += [c for e in extents if e.kind == "fill" for c in split_extent(e, file_id=inode)]
         path = f"{self.directory}/{vfile.name}"
@@ -108,6 +114,11 @@ class LazyView:
         for content, stream in zip(self._contents, streams):
             content.stream = stream
         self._built = []
+
+
+def _fills(extent: Extent | None, lo: int, hi: int) -> bool:
+    """Bytes [lo, hi) of a file lie in this extent of fill."""
+    return extent is not None and extent.kind == "fill" and extent.offset <= lo and hi <= extent.end
 
 
 @dataclass

@@ -40,7 +40,7 @@ def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) ->
     requests = [e for e in events if e["event"] == "request" and e["path"]]
     pushes = [e for e in events if e["event"] == "pushed"]
     chunk = lambda e: (e["inode"], e["offset"])  # noqa: E731
-    pushed = {chunk(e): e["t"] for e in pushes if not e["fill"]}
+    pushed = {chunk(e): e["t"] for e in pushes}
     first = {chunk(e): e["t"] for e in events if e["event"] == "first"}
     reads = [e for e in events if e["event"] == "read"]
     read_at = {chunk(e): e["t"] for e in reads if not e["demand"]}
@@ -52,8 +52,8 @@ def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) ->
         f"requests: {len(requests)}, {sum(e['bytes'] for e in requests) / GB:.2f} GB "
         f"({', '.join(f'{n} of {k}' for k, n in sizes.most_common())}); answered in {_quantiles([e['seconds'] for e in requests])} s",
         f"chunks read: {sum(not e['demand'] for e in reads)} ahead, {sum(e['demand'] for e in reads)} for a waiting request; "
-        f"pushed {sum(e['pushed'] for e in pushes if not e['fill']) / GB:.2f} GB "
-        f"(+ {sum(e['pushed'] for e in pushes if e['fill']) / GB:.2f} GB of fill)",
+        f"pushed {sum(e['pushed'] for e in pushes) / GB:.2f} GB "
+        f"(+ {sum(e['pushed_fill'] for e in pushes) / GB:.2f} GB of fill on their pages)",
         f"chunks a loader asked for: {len(first)}, {len(ahead)} of them pushed before, by {_quantiles(ahead)} s",
         _worker_calls("reads ahead", [e for e in reads if not e["demand"]]),
         _worker_calls("reads for a waiting request", [e for e in reads if e["demand"]]),
