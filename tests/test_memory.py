@@ -67,8 +67,9 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
 @pytest.mark.parametrize("push_threads", [8, 1])
 def test_pushed_views_read_as_served(large_checkpoint, mount_dir, tmp_path, push_threads):
     """Pushed into the page cache ahead of the reader (source bytes, and the fill outside the
-    slices), a sliced view maps to the very bytes a mount that pushes nothing answers. With one
-    push thread the offers back up, and go to it several at a time."""
+    slices on the pages they share with it), a sliced view maps to the very bytes a mount that
+    pushes nothing answers. With one push thread the offers back up, and go to it several at a
+    time."""
     flags = ("--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 128 * MIB / (1 << 30))
     trace = tmp_path / "trace.jsonl"
     with mounted(large_checkpoint, mount_dir, *flags, "--push-threads", push_threads, "--trace", trace):
