@@ -171,13 +171,13 @@ class Chunk:
         first, last = (start + PAGE if head else start), (end - PAGE if tail else end)
         pieces = [(first, self.buffer[first - self.start:last - self.start])] if first < last else []
         if head:
-            pieces.insert(0, (start, self._joined(start, min(start + PAGE, end), fill)))
+            pieces.insert(0, (start, self._served(start, min(start + PAGE, end), fill)))
         if tail and last >= first:
-            pieces.append((last, self._joined(last, end, fill)))
+            pieces.append((last, self._served(last, end, fill)))
         return pieces
 
-    def _joined(self, lo: int, hi: int, fill: "Fill") -> memoryview:
-        """Bytes [lo, hi) of the view, from its buffer and the fill around it."""
+    def _served(self, lo: int, hi: int, fill: "Fill") -> memoryview:
+        """Bytes [lo, hi) of the file as served: its buffer's, and the fill's around it."""
         a, b = max(lo, self.start), min(hi, self.end)
         parts = [fill.take(max(0, min(hi, self.start) - lo)), self.buffer[a - self.start:max(a, b) - self.start],
                  fill.take(max(0, hi - max(lo, self.end)))]

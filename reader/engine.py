@@ -272,7 +272,7 @@ class ReadEngine:
         chunk.backing.own()
         return chunk.push_pieces(start, end, self.fill), chunk.backing
 
-    def pushed(self, chunk: Chunk, backing: Backing | None, start: int, end: int,
+    def pushed(self, chunk: Chunk, backing: Backing, start: int, end: int,
                times: tuple[float, float, float]):
         """[start, end) of the chunk, pushed from `backing`, is in the kernel's page cache: keep only
         the edges. The chunk still counts against the budget until the loader is past it (`FileStream.passed`).

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from rankfs.reader.chunks import CHUNK_BYTES, Chunk
 
-# More than the kernel reads around a header at a readahead of 16 MiB: a file whose
+# More than the kernel reads around a header at a readahead of up to 16 MiB: a file whose
 # requests were answered with this much is being consumed.
 CONSUMING_BYTES = 3 * CHUNK_BYTES
 # One chunk of source bytes in this many is pushed with its first page left out: the loader's read of
