@@ -55,7 +55,7 @@ class Stats:
     pushed_bytes: int = 0
     pushed_fill_bytes: int = 0  # fill outside the rank's slices, pushed on the pages a chunk shares with it
     listing_pages: int = 0  # pushed as a file was first opened: what a safetensors listing reads
-    listing_pages_left: int = 0  # those a listing reads left to requests: not in the sources' page cache, or not stored
+    listing_pages_left: int = 0  # those a listing reads left to requests: a source unreadable, or not stored
     listing_pages_refused: int = 0  # of those left, the ones the kernel would not store
     remnant_bytes: int = 0  # read again for what the loader had not read of a chunk let go
     reread_bytes: int = 0  # whole chunks read again: the kernel asked for them after they were let go

@@ -85,7 +85,9 @@ class ReadEngine:
     def opened(self, file: FileStream, direct: bool = False, reader: int | None = None) -> bool:
         """A handle of the file opened (`direct`: with O_DIRECT, bypassing the page cache, as the
         hook reads headers) by the process `reader`. Whether the pages a listing of it reads are to
-        be pushed now: its first buffered open, with pushes on, in a view no engine hook loads.
+        be pushed now: its first buffered open, with pushes on, in a view no engine hook loads, by a
+        process that has not read its headers past the page cache (a hook, before it says so: it
+        reads the tensors its own way).
 
         A view read before, none of whose files is open, opened by another process once the one
         that read it has exited has a new reader (an engine restarted on the mount, a peer after
@@ -102,7 +104,10 @@ class ReadEngine:
         file.handles += 1
         file.direct_handles += direct
         file.view.opened_direct = direct
-        push = self._pushing and not direct and not file.listed and not file.view.hooked
+        if direct:
+            view.direct_opener = reader
+        push = (self._pushing and not direct and not file.listed and not view.hooked
+                and (reader is None or reader != view.direct_opener))
         file.listed = file.listed or push
         return push
 
@@ -146,10 +151,12 @@ class ReadEngine:
                 return edge, None
         while chunk.buffer is None:
             # Asked for bytes it handed: the kernel evicted them (a page-cache read asks only for
-            # pages it lacks), or a reader past the page cache reads them again.
+            # pages it lacks), or a reader past the page cache reads them again. A listing's pages
+            # alone say nothing of the read-ahead's room: whoever opened the file may have dropped them.
             asked_again = chunk.had_handed(lo, hi)
-            evicted = asked_again and chunk.reads and not chunk.on_demand and not direct
-            if (chunk.loading is None and chunk.handed_bytes > chunk.listed and self._reader.serves_ranges(chunk)
+            read_ahead = chunk.handed_bytes > chunk.listed
+            evicted = asked_again and read_ahead and chunk.reads and not chunk.on_demand and not direct
+            if (chunk.loading is None and read_ahead and self._reader.serves_ranges(chunk)
                     and (evicted or self._reader.maps_chunk(chunk, on_event_loop=True))):
                 remnant = await self._read_remnant(chunk, lo, hi, evicted)
                 if remnant is not None:
@@ -172,10 +179,9 @@ class ReadEngine:
         chunk.backing.own()
         return chunk.buffer[lo - chunk.start:hi - chunk.start], chunk.backing
 
-    def read_cached(self, extent: Extent, lo: int, hi: int) -> bytes | None:
-        """Bytes [lo, hi) of a data extent where the source's page cache holds them, else None (a
-        worker thread's call)."""
-        return self._reader.read_cached(extent, lo, hi)
+    def read_pages(self, extent: Extent, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) of a data extent, a few pages of it (a worker thread's call)."""
+        return self._reader.read_pages(extent, lo, hi)
 
     @staticmethod
     def replied(backings: list[Backing]):

@@ -91,6 +91,7 @@ class ViewStream:
     running: bool = False  # a prefetch pass is under way
     hooked: bool = False  # an engine hook loads it from the sources: not prefetched
     opened_direct: bool = False  # its latest file open was with O_DIRECT
+    direct_opener: int | None = None  # the latest process to open one of its files with O_DIRECT
     passes: int = 0
     planned_bytes: int = 0
     served_bytes: int = 0

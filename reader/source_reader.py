@@ -109,28 +109,31 @@ class SourceReader:
             fill_outside_slice(data, chunk)
         return data
 
-    def read_cached(self, extent: Extent, lo: int, hi: int) -> bytes | None:
-        """Bytes [lo, hi) (file offsets, a few pages) of a data extent as served, where the source's
-        page cache holds them; None where it does not (a cold source is read in chunks, not page by
-        page). Runs in a worker thread."""
-        if self.direct_io:
-            return None
+    def read_pages(self, extent: Extent, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) (file offsets, a few pages) of a data extent as served: copied from the
+        page cache where it holds them, else read direct (a listing's pages are read before their
+        chunks, and waiting for those would make every tensor a request). Runs in a worker thread."""
         if extent.row_bytes:  # whole rows, for the fill over the other ranks' columns
             first = lo - (lo - extent.offset) % extent.row_bytes
             last = min(extent.end, hi + (extent.offset - hi) % extent.row_bytes)
         else:
             first, last = lo, hi
-        begin = extent.source_offset + (first - extent.offset)
-        fd = self.fd(extent.source)
-        if not page_cache_holds(fd, begin, begin + last - first):
-            return None
+        begin, length = extent.source_offset + (first - extent.offset), last - first
         self.check_unchanged(extent.source)
-        data = bytearray(os.pread(fd, last - first, begin))
-        if len(data) < last - first:
-            raise BackingError(f"{self.sources[extent.source].path}: short read at offset {begin}; "
-                               "the file was truncated")
+        opened = self._file(extent.source)
+        skip = begin % PAGE
+        buffer = mmap.mmap(-1, -(-(skip + length) // PAGE) * PAGE)
+        path = self.sources[extent.source].path
+        try:
+            done = opened.read_into(memoryview(buffer), skip, begin, length, path)
+        except OSError as exc:
+            raise BackingError(str(exc)) from None
+        if done < length:
+            raise BackingError(f"{path}: short read at offset {begin}; the file was truncated")
+        opened.drop_added()
+        data = memoryview(buffer)[skip:skip + length]
         if extent.row_bytes:
-            fill_outside_slice(memoryview(data), extent)
+            fill_outside_slice(data, extent)
         return bytes(data[lo - first:hi - first])
 
 

@@ -11,8 +11,10 @@ slices completed with fill (a loader reads the first and last page of each slice
 A safetensors reader lists a file before it copies: it reads the header, then the first byte of
 every tensor as it makes it, holding the GIL. Through a mount each of those reads, where the page
 is not cached, is a request with the kernel's readahead behind it, one at a time for all
-the files a loader opened, and the loader's first copy waits for all of them. So a file's first open is answered once those pages are pushed, each where the source's page cache
-holds its bytes (a cold source keeps the requests, whose readahead reads it in large pieces).
+the files a loader opened, and the loader's first copy waits for all of them. So a file's first
+open is answered once those pages are pushed: copied from the source's page cache where it holds
+them, else read direct, a few pages each (left to requests, their readahead would read the files
+whole before the first copy).
 
 A push waits for the locks of pages a pending read holds; those reads are answered from the chunk's
 memory (or the fill's), which the push never waits for, so the two cannot deadlock. The push owns
@@ -190,9 +192,9 @@ def _store_listing(engine: ReadEngine, inode: int,
 
 
 def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunks: list) -> bytes | None:
-    """The file's bytes on one page (up to its end), or None where a source's page cache does not
-    hold them (or the page is not served: the local ranks' shared view). Its pieces of chunks are
-    added to `pieces_of_chunks`: (chunk, lo, hi)."""
+    """The file's bytes on one page (up to its end), or None where a source cannot be read or the
+    page is not served (the local ranks' shared view). Its pieces of chunks are added to
+    `pieces_of_chunks`: (chunk, lo, hi)."""
     end = min(page + PAGE, content.size)
     pieces = []
     for extent in content.extents_at(page, end):
@@ -203,12 +205,9 @@ def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunk
             pieces.append(engine.fill.take(hi - lo))
         elif extent.kind == "data":
             try:
-                piece = engine.read_cached(extent, lo, hi)
+                pieces.append(engine.read_pages(extent, lo, hi))
             except OSError:  # a changed or unreadable source: the read of this page says so
                 return None
-            if piece is None:
-                return None
-            pieces.append(piece)
             for chunk in content.runs[extent.offset].overlapping(lo, hi):
                 pieces_of_chunks.append((chunk, max(lo, chunk.start), min(hi, chunk.end)))
         else:
