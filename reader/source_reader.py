@@ -91,22 +91,8 @@ class SourceReader:
         """One large read of the chunk into `buffer` (of its whole pages' size at least), direct
         unless the page cache holds it, the fill written outside its slice, and the source's cache
         of it dropped (the view's page cache holds it next). Returns the chunk's bytes."""
-        self.check_unchanged(chunk.source)
-        source = self.sources[chunk.source]
-        opened = self._file(chunk.source)
-        skip = chunk.source_offset % PAGE
-        try:
-            done = opened.read_into(memoryview(buffer), skip, chunk.source_offset, chunk.length, source.path)
-        except OSError as exc:
-            raise BackingError(str(exc)) from None
-        if done < chunk.length:
-            raise BackingError(f"{source.path}: short read at offset {chunk.source_offset} "
-                               f"({done} of {chunk.length} bytes); the file was truncated")
-        opened.drop_added()  # where it could not read direct (tmpfs): what it cached
-        os.posix_fadvise(opened.fd, chunk.source_offset, chunk.length, os.POSIX_FADV_DONTNEED)
-        data = memoryview(buffer)[skip:skip + chunk.length]
-        if chunk.row_bytes:
-            fill_outside_slice(data, chunk)
+        data = self._read(chunk.source, chunk.source_offset, chunk.length, buffer, chunk)
+        os.posix_fadvise(self.fd(chunk.source), chunk.source_offset, chunk.length, os.POSIX_FADV_DONTNEED)
         return data
 
     def read_pages(self, extent: Extent, lo: int, hi: int) -> bytes:
@@ -118,23 +104,30 @@ class SourceReader:
             last = min(extent.end, hi + (extent.offset - hi) % extent.row_bytes)
         else:
             first, last = lo, hi
-        begin, length = extent.source_offset + (first - extent.offset), last - first
-        self.check_unchanged(extent.source)
-        opened = self._file(extent.source)
-        skip = begin % PAGE
-        buffer = mmap.mmap(-1, -(-(skip + length) // PAGE) * PAGE)
-        path = self.sources[extent.source].path
+        begin = extent.source_offset + (first - extent.offset)
+        buffer = mmap.mmap(-1, -(-(begin % PAGE + last - first) // PAGE) * PAGE)
+        return bytes(self._read(extent.source, begin, last - first, buffer, extent)[lo - first:hi - first])
+
+    def _read(self, index: int, offset: int, length: int, buffer: mmap.mmap, run) -> memoryview:
+        """Bytes [offset, offset + length) of a source into `buffer` at their offset within a page,
+        direct unless the page cache holds them, what a read through it added dropped, the fill
+        written outside the slice of a masked run (a chunk or an extent)."""
+        self.check_unchanged(index)
+        path = self.sources[index].path
+        opened = self._file(index)
+        skip = offset % PAGE
         try:
-            done = opened.read_into(memoryview(buffer), skip, begin, length, path)
+            done = opened.read_into(memoryview(buffer), skip, offset, length, path)
         except OSError as exc:
             raise BackingError(str(exc)) from None
         if done < length:
-            raise BackingError(f"{path}: short read at offset {begin}; the file was truncated")
-        opened.drop_added()
+            raise BackingError(f"{path}: short read at offset {offset} ({done} of {length} bytes); "
+                               "the file was truncated")
+        opened.drop_added()  # where it could not read direct (tmpfs): what it cached
         data = memoryview(buffer)[skip:skip + length]
-        if extent.row_bytes:
-            fill_outside_slice(data, extent)
-        return bytes(data[lo - first:hi - first])
+        if run.row_bytes:
+            fill_outside_slice(data, run)
+        return data
 
 
 def fill_outside_slice(rows: memoryview, run):
