@@ -263,14 +263,20 @@ class ReadEngine:
         """What to push of an offered chunk now, or None: it was read meanwhile, the loader is about
         to read it, its file's readers read past the page cache, or too little of it lies on whole
         pages."""
-        if chunk.file.read_direct:
-            return None
-        if chunk.file.reading and chunk.stream_pos <= chunk.file.frontier + PUSH_GAP_CHUNKS:
-            return None
-        if chunk.buffer is None or chunk.requested:
+        if not self.still_pushable(chunk):
             return None
         start, end = chunk.push_range()
         return (start, end) if end - start >= MIN_PUSH_BYTES else None
+
+    @staticmethod
+    def still_pushable(chunk: Chunk) -> bool:
+        """Whether an offered chunk is still worth pushing: in memory, not asked for, not about to
+        be, in a file read through the page cache. Only reads state, so a push thread asks it too,
+        just before it stores."""
+        file = chunk.file
+        if file.read_direct or chunk.buffer is None or chunk.requested:
+            return False
+        return not (file.reading and chunk.stream_pos <= file.frontier + PUSH_GAP_CHUNKS)
 
     def push_memory(self, chunk: Chunk, start: int, end: int) -> tuple[list[tuple[int, memoryview]], Backing]:
         """Pages [start, end) of an offered chunk to push, as (offset, bytes) pieces, and the

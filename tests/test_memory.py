@@ -4,7 +4,6 @@ after `rankfs drop` the views hold no page cache."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
@@ -16,7 +15,6 @@ import time
 import pytest
 
 from conftest import direct_digests, mapped_digests, mounted, rankfs, settled_status
-from dev.bench.trace_summary import read_events
 from dev.mounting import ROOT
 from dev.memstate import MIB, cached_bytes, resident_pages, uncache, vm_hwm
 from rankfs.common.disk import PAGE
@@ -65,19 +63,15 @@ def test_daemon_memory_stays_within_budget(large_checkpoint, mount_dir, flags):
 
 
 @pytest.mark.parametrize("push_threads", [8, 1])
-def test_pushed_views_read_as_served(large_checkpoint, mount_dir, tmp_path, push_threads):
+def test_pushed_views_read_as_served(large_checkpoint, mount_dir, push_threads):
     """Pushed into the page cache ahead of the reader (source bytes, and the fill outside the
     slices on the pages they share with it), a sliced view maps to the very bytes a mount that
-    pushes nothing answers. With one push thread the offers back up, and go to it several at a
-    time."""
+    pushes nothing answers, with one push thread (the offers queue for it) or several."""
     flags = ("--tp-size", 4, "--tp-rank", 1, "--inflight-gb", 128 * MIB / (1 << 30))
-    trace = tmp_path / "trace.jsonl"
-    with mounted(large_checkpoint, mount_dir, *flags, "--push-threads", push_threads, "--trace", trace):
+    with mounted(large_checkpoint, mount_dir, *flags, "--push-threads", push_threads):
         pushed = mapped_digests(mount_dir / "target")
         status = contract.read_status(str(mount_dir))
     assert status["pushed_bytes"] > 0 and status["pushed_fill_bytes"] > 0
-    batches = collections.Counter(e["asked"] for e in read_events(trace) if e["event"] == "pushed")
-    assert push_threads > 1 or max(batches.values()) > 1
     with mounted(large_checkpoint, mount_dir, *flags, "--no-push"):
         assert mapped_digests(mount_dir / "target") == pushed
 

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
+import queue
 import struct
+import threading
 import time
 
 import pyfuse3
@@ -40,62 +43,90 @@ from rankfs.vfs.tree import Content
 
 log = logging.getLogger("rankfs.push")
 
-# Offers already waiting go to a thread several at a time, up to this many bytes: where cores are few,
-# handing a push to a thread and its result back to the loop costs more than storing a small chunk
-# (a sliced view's pushes average 2 MB). Only a backlog is batched: more offers waiting than push
-# threads.
-BATCH_BYTES = 32 << 20
-
-
 async def push_prefetched(engine: ReadEngine, threads: int):
-    """Push what the engine offers until cancelled, from `threads` threads."""
+    """Push what the engine offers until cancelled, from `threads` threads of their own."""
     engine.enable_push()
-    async with trio.open_nursery() as nursery:
-        for _ in range(threads):
-            nursery.start_soon(_push_offered, engine, engine.pushable.clone(), threads)
+    pushers = PushThreads(engine, threads, trio.lowlevel.current_trio_token())
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pushers.hand_offers)
+            nursery.start_soon(pushers.account_stored)
+    finally:
+        pushers.stop()
 
 
-async def _push_offered(engine: ReadEngine, offers: trio.MemoryReceiveChannel, threads: int):
-    async for chunk in offers:
-        batch = _batch(engine, chunk, offers, threads)
-        if not batch:
-            continue
-        drops, asked = engine.drops, time.monotonic()
-        try:
-            # The thread may be left behind on cancellation: a push blocked on a page lock ends when
-            # the unmount aborts the reads holding it.
-            pushes = [(c.file_id, pieces) for c, _, _, pieces, _ in batch]
-            stores = await trio.to_thread.run_sync(_store_all, pushes, abandon_on_cancel=True)
-        finally:
-            for *_, backing in batch:
+class PushThreads:
+    """Threads that store the offered chunks into the views' page cache, each taking the next offer
+    as soon as it has stored one. A push never waits for the event loop to hand it to a thread or
+    take its result: the loop answers the requests, and a push waiting behind them lets the loader
+    overtake it. The loop only queues offers and hears of stored ones in batches.
+
+    An offer queued stays owned (its backing) until its thread is done with it; a thread skips one
+    the loader has reached meanwhile (`ReadEngine.still_pushable`, read without the loop: a stale
+    answer only pushes in vain or leaves pages to a request)."""
+
+    def __init__(self, engine: ReadEngine, threads: int, token: trio.lowlevel.TrioToken):
+        self._engine = engine
+        self._token = token
+        self._offers: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: list[tuple] = []  # (offer, stored, began, ended), appended by the threads
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._stored_send, self._stored = trio.open_memory_channel(math.inf)
+        self._threads = [threading.Thread(target=self._push_offers, name=f"rankfs-push-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    async def hand_offers(self):
+        """Queue each offered chunk still worth pushing, with the pages to push and their backing."""
+        async for chunk in self._engine.pushable:
+            span = self._engine.push_range(chunk)
+            if span is not None:
+                pieces, backing = self._engine.push_memory(chunk, *span)
+                self._offers.put((chunk, *span, pieces, backing, self._engine.drops, time.monotonic()))
+
+    async def account_stored(self):
+        """What the threads stored is in the kernel's page cache: the engine keeps only its edges."""
+        async for batch in self._stored:
+            dropped = set()
+            for (chunk, start, end, _, backing, drops, asked), stored, began, ended in batch:
                 backing.done()
-        if drops != engine.drops:  # `rankfs drop` ran meanwhile: what these pushes stored must go too
-            for inode in {c.file_id for c, *_ in batch}:
+                if drops != self._engine.drops:  # `rankfs drop` ran meanwhile: what was stored must go too
+                    dropped.add(chunk.file_id)
+                elif stored:
+                    self._engine.pushed(chunk, backing, start, end, (asked, began, ended))
+            for inode in dropped:
                 await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, False)
-            continue
-        for (c, start, end, _, backing), (stored, began, ended) in zip(batch, stores):
-            if stored:
-                engine.pushed(c, backing, start, end, (asked, began, ended))
 
+    def stop(self):
+        """No more stores: the threads end once their store returns (a store blocked on a page lock
+        ends when the unmount aborts the reads holding it)."""
+        self._stopped = True
+        for _ in self._threads:
+            self._offers.put(None)
 
-def _batch(engine: ReadEngine, first: Chunk, offers: trio.MemoryReceiveChannel, threads: int) -> list[tuple]:
-    """The first offer and those waiting beyond one for each push thread, up to BATCH_BYTES (so that
-    no thread idles while another pushes in turn): (chunk, start, end, pieces, backing) of each
-    still worth pushing, its bytes owned until the push returns."""
-    batch, size, chunk = [], 0, first
-    while True:
-        span = engine.push_range(chunk)
-        if span is not None:
-            start, end = span
-            pieces, backing = engine.push_memory(chunk, start, end)
-            batch.append((chunk, start, end, pieces, backing))
-            size += end - start
-        if size >= BATCH_BYTES or offers.statistics().current_buffer_used <= threads:
-            return batch
-        try:
-            chunk = offers.receive_nowait()
-        except trio.WouldBlock:
-            return batch
+    def _push_offers(self):
+        while (offer := self._offers.get()) is not None:
+            chunk, _, _, pieces, *_ = offer
+            if self._stopped:
+                return
+            wanted = self._engine.still_pushable(chunk)
+            stored, began, ended = timed(_store_pieces, chunk.file_id, pieces) if wanted else (False, 0.0, 0.0)
+            with self._lock:
+                self._done.append((offer, stored, began, ended))
+                first = len(self._done) == 1
+            if first:  # the loop is told once for whatever is stored until it takes the batch
+                try:
+                    self._token.run_sync_soon(self._hand_stored)
+                except trio.RunFinishedError:
+                    return
+
+    def _hand_stored(self):
+        """On the event loop: the stores done so far go to `account_stored`."""
+        with self._lock:
+            batch, self._done = self._done, []
+        self._stored_send.send_nowait(batch)
 
 
 async def drop_consumed(engine: ReadEngine):
@@ -135,12 +166,6 @@ def _invalidate_range(device: int, inode: int, start: int, end: int):
     except OSError as exc:
         if exc.errno != errno.ENOENT:  # the kernel forgot the file meanwhile: nothing cached
             log.warning("dropping %d bytes at %d of inode %d failed: %s", end - start, start, inode, exc)
-
-
-def _store_all(pushes: list[tuple[int, list[tuple[int, memoryview]]]]) -> list[tuple[bool, float, float]]:
-    """Runs in a worker thread: each chunk's (inode, [(offset, bytes), ...]) stored in turn; whether
-    all of it was, and when its stores began and ended."""
-    return [timed(_store_pieces, inode, pieces) for inode, pieces in pushes]
 
 
 def _store_pieces(inode: int, pieces: list[tuple[int, memoryview]]) -> bool:
