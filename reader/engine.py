@@ -270,13 +270,11 @@ class ReadEngine:
 
     @staticmethod
     def still_pushable(chunk: Chunk) -> bool:
-        """Whether an offered chunk is still worth pushing: in memory, not asked for, not about to
-        be, in a file read through the page cache. Only reads state, so a push thread asks it too,
-        just before it stores."""
+        """In memory, neither asked for nor about to be, in a file read through the page cache. It
+        only reads state: a push thread asks it too, just before it stores."""
         file = chunk.file
-        if file.read_direct or chunk.buffer is None or chunk.requested:
-            return False
-        return not (file.reading and chunk.stream_pos <= file.frontier + PUSH_GAP_CHUNKS)
+        return not (file.read_direct or chunk.buffer is None or chunk.requested
+                    or (file.reading and chunk.stream_pos <= file.frontier + PUSH_GAP_CHUNKS))
 
     def push_memory(self, chunk: Chunk, start: int, end: int) -> tuple[list[tuple[int, memoryview]], Backing]:
         """Pages [start, end) of an offered chunk to push, as (offset, bytes) pieces, and the
