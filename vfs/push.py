@@ -43,6 +43,7 @@ from rankfs.vfs.tree import Content
 
 log = logging.getLogger("rankfs.push")
 
+
 async def push_prefetched(engine: ReadEngine, threads: int):
     """Push what the engine offers until cancelled, from `threads` threads of their own."""
     engine.enable_push()
