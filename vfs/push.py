@@ -23,11 +23,11 @@ that memory until `notify_store` returns.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import math
 import os
-import queue
 import struct
 import threading
 import time
@@ -62,14 +62,17 @@ class PushThreads:
     take its result: the loop answers the requests, and a push waiting behind them lets the loader
     overtake it. The loop only queues offers and hears of stored ones in batches.
 
-    An offer queued stays owned (its backing) until its thread is done with it; a thread skips one
-    the loader has reached meanwhile (`ReadEngine.still_pushable`, read without the loop: a stale
-    answer only pushes in vain or leaves pages to a request)."""
+    Where offers back up (few cores), the newest goes first: it lies furthest ahead of the loader,
+    where the oldest would wait on the page locks of the loader's reads, and those wait on the loop.
+    Offers the loader has reached meanwhile (`ReadEngine.still_pushable`, read without the loop: a
+    stale answer only pushes in vain or leaves pages to a request) leave the queue unstored, so that
+    their memory goes back."""
 
     def __init__(self, engine: ReadEngine, threads: int, token: trio.lowlevel.TrioToken):
         self._engine = engine
         self._token = token
-        self._offers: queue.SimpleQueue = queue.SimpleQueue()
+        self._offers: collections.deque = collections.deque()  # oldest on the left
+        self._offered = threading.Condition()
         self._done: list[tuple] = []  # (offer, stored, began, ended), appended by the threads
         self._lock = threading.Lock()
         self._stopped = False
@@ -85,7 +88,9 @@ class PushThreads:
             span = self._engine.push_range(chunk)
             if span is not None:
                 pieces, backing = self._engine.push_memory(chunk, *span)
-                self._offers.put((chunk, *span, pieces, backing, self._engine.drops, time.monotonic()))
+                with self._offered:
+                    self._offers.append((chunk, *span, pieces, backing, self._engine.drops, time.monotonic()))
+                    self._offered.notify()
 
     async def account_stored(self):
         """What the threads stored is in the kernel's page cache: the engine keeps only its edges."""
@@ -103,25 +108,43 @@ class PushThreads:
     def stop(self):
         """No more stores: the threads end once their store returns (a store blocked on a page lock
         ends when the unmount aborts the reads holding it)."""
-        self._stopped = True
-        for _ in self._threads:
-            self._offers.put(None)
+        with self._offered:
+            self._stopped = True
+            self._offered.notify_all()
 
     def _push_offers(self):
-        while (offer := self._offers.get()) is not None:
-            chunk, _, _, pieces, *_ = offer
-            if self._stopped:
-                return
-            wanted = self._engine.still_pushable(chunk)
-            stored, began, ended = timed(_store_pieces, chunk.file_id, pieces) if wanted else (False, 0.0, 0.0)
-            with self._lock:
-                self._done.append((offer, stored, began, ended))
-                first = len(self._done) == 1
-            if first:  # the loop is told once for whatever is stored until it takes the batch
-                try:
-                    self._token.run_sync_soon(self._hand_stored)
-                except trio.RunFinishedError:
-                    return
+        while (taken := self._take()) is not None:
+            offer, passed = taken
+            stored, began, ended = timed(_store_pieces, offer[0].file_id, offer[3])
+            self._report([(offer, stored, began, ended)] + [(o, False, 0.0, 0.0) for o in passed])
+
+    def _take(self) -> tuple[tuple, list[tuple]] | None:
+        """The newest offer still worth pushing, and the offers the loader has reached (oldest
+        first); None once stopped."""
+        with self._offered:
+            while not self._stopped:
+                passed = []
+                while self._offers and not self._engine.still_pushable(self._offers[0][0]):
+                    passed.append(self._offers.popleft())
+                while self._offers and not self._engine.still_pushable(self._offers[-1][0]):
+                    passed.append(self._offers.pop())
+                if self._offers:
+                    return self._offers.pop(), passed
+                if passed:
+                    self._report([(o, False, 0.0, 0.0) for o in passed])
+                self._offered.wait()
+            return None
+
+    def _report(self, done: list[tuple]):
+        """Stores done or given up: the loop is told once for whatever comes until it takes them."""
+        with self._lock:
+            self._done += done
+            first = len(self._done) == len(done)
+        if first:
+            try:
+                self._token.run_sync_soon(self._hand_stored)
+            except trio.RunFinishedError:
+                pass
 
     def _hand_stored(self):
         """On the event loop: the stores done so far go to `account_stored`."""
