@@ -31,10 +31,12 @@ import os
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 import pyfuse3
 import trio
 
+from rankfs.reader.buffers import Backing
 from rankfs.reader.chunks import Chunk
 from rankfs.reader.engine import ReadEngine
 from rankfs.common.disk import PAGE
@@ -56,6 +58,20 @@ async def push_prefetched(engine: ReadEngine, threads: int):
         pushers.stop()
 
 
+class Offer(NamedTuple):
+    """A chunk queued to push: its pages [start, end) as (offset, bytes) pieces, the backing they
+    lie in (owned until its thread is done with it), the engine's drop count and the time it was
+    queued."""
+
+    chunk: Chunk
+    start: int
+    end: int
+    pieces: list[tuple[int, memoryview]]
+    backing: Backing
+    drops: int
+    asked: float
+
+
 class PushThreads:
     """Threads that store the offered chunks into the views' page cache, each taking the next offer
     as soon as it has stored one. A push never waits for the event loop to hand it to a thread or
@@ -71,10 +87,9 @@ class PushThreads:
     def __init__(self, engine: ReadEngine, threads: int, token: trio.lowlevel.TrioToken):
         self._engine = engine
         self._token = token
-        self._offers: collections.deque = collections.deque()  # oldest on the left
-        self._offered = threading.Condition()
-        self._done: list[tuple] = []  # (offer, stored, began, ended), appended by the threads
-        self._lock = threading.Lock()
+        self._offers: collections.deque[Offer] = collections.deque()  # oldest on the left
+        self._done: list[tuple[Offer, bool, float, float]] = []  # (offer, stored, began, ended)
+        self._lock = threading.Condition()  # over both lists and `_stopped`; re-entrant
         self._stopped = False
         self._stored_send, self._stored = trio.open_memory_channel(math.inf)
         self._threads = [threading.Thread(target=self._push_offers, name=f"rankfs-push-{i}", daemon=True)
@@ -88,51 +103,51 @@ class PushThreads:
             span = self._engine.push_range(chunk)
             if span is not None:
                 pieces, backing = self._engine.push_memory(chunk, *span)
-                with self._offered:
-                    self._offers.append((chunk, *span, pieces, backing, self._engine.drops, time.monotonic()))
-                    self._offered.notify()
+                with self._lock:
+                    self._offers.append(Offer(chunk, *span, pieces, backing, self._engine.drops, time.monotonic()))
+                    self._lock.notify()
 
     async def account_stored(self):
         """What the threads stored is in the kernel's page cache: the engine keeps only its edges."""
         async for batch in self._stored:
             dropped = set()
-            for (chunk, start, end, _, backing, drops, asked), stored, began, ended in batch:
-                backing.done()
-                if drops != self._engine.drops:  # `rankfs drop` ran meanwhile: what was stored must go too
-                    dropped.add(chunk.file_id)
+            for offer, stored, began, ended in batch:
+                offer.backing.done()
+                if offer.drops != self._engine.drops:  # `rankfs drop` ran meanwhile: what was stored must go too
+                    dropped.add(offer.chunk.file_id)
                 elif stored:
-                    self._engine.pushed(chunk, backing, start, end, (asked, began, ended))
+                    self._engine.pushed(offer.chunk, offer.backing, offer.start, offer.end, (offer.asked, began, ended))
             for inode in dropped:
                 await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, False)
 
     def stop(self):
         """No more stores: the threads end once their store returns (a store blocked on a page lock
         ends when the unmount aborts the reads holding it)."""
-        with self._offered:
+        with self._lock:
             self._stopped = True
-            self._offered.notify_all()
+            self._lock.notify_all()
 
     def _push_offers(self):
         while (taken := self._take()) is not None:
             offer, passed = taken
-            stored, began, ended = timed(_store_pieces, offer[0].file_id, offer[3])
+            stored, began, ended = timed(_store_pieces, offer.chunk.file_id, offer.pieces)
             self._report([(offer, stored, began, ended)] + [(o, False, 0.0, 0.0) for o in passed])
 
-    def _take(self) -> tuple[tuple, list[tuple]] | None:
-        """The newest offer still worth pushing, and the offers the loader has reached (oldest
-        first); None once stopped."""
-        with self._offered:
+    def _take(self) -> tuple[Offer, list[Offer]] | None:
+        """The newest offer still worth pushing, and the offers the loader has reached; None once
+        stopped."""
+        with self._lock:
             while not self._stopped:
                 passed = []
-                while self._offers and not self._engine.still_pushable(self._offers[0][0]):
+                while self._offers and not self._engine.still_pushable(self._offers[0].chunk):
                     passed.append(self._offers.popleft())
-                while self._offers and not self._engine.still_pushable(self._offers[-1][0]):
+                while self._offers and not self._engine.still_pushable(self._offers[-1].chunk):
                     passed.append(self._offers.pop())
                 if self._offers:
                     return self._offers.pop(), passed
                 if passed:
                     self._report([(o, False, 0.0, 0.0) for o in passed])
-                self._offered.wait()
+                self._lock.wait()
             return None
 
     def _report(self, done: list[tuple]):
