@@ -128,14 +128,13 @@ class PushThreads:
             self._lock.notify_all()
 
     def _push_offers(self):
-        while (taken := self._take()) is not None:
-            offer, passed = taken
+        while (offer := self._take()) is not None:
             stored, began, ended = timed(_store_pieces, offer.chunk.file_id, offer.pieces)
-            self._report([(offer, stored, began, ended)] + [(o, False, 0.0, 0.0) for o in passed])
+            self._report([(offer, stored, began, ended)])
 
-    def _take(self) -> tuple[Offer, list[Offer]] | None:
-        """The newest offer still worth pushing, and the offers the loader has reached; None once
-        stopped."""
+    def _take(self) -> Offer | None:
+        """The newest offer still worth pushing (those the loader has reached are reported unstored
+        on the way); None once stopped."""
         with self._lock:
             while not self._stopped:
                 passed = []
@@ -143,10 +142,10 @@ class PushThreads:
                     passed.append(self._offers.popleft())
                 while self._offers and not self._engine.still_pushable(self._offers[-1].chunk):
                     passed.append(self._offers.pop())
-                if self._offers:
-                    return self._offers.pop(), passed
                 if passed:
                     self._report([(o, False, 0.0, 0.0) for o in passed])
+                if self._offers:
+                    return self._offers.pop()
                 self._lock.wait()
             return None
 
