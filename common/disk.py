@@ -372,12 +372,12 @@ def read_exactly(fd: int, target: memoryview, offset: int, what: str) -> int:
 
 
 def merge_adjacent(spans) -> list[list]:
-    """(key, begin, end) spans, sorted, with those that touch (same key, one's end the next's
-    begin) joined: one call for adjacent ranges."""
+    """(key, begin, end) spans, sorted, with those that touch or overlap (same key) joined: one
+    call for adjacent ranges."""
     merged: list[list] = []
     for key, begin, end in sorted(spans):
-        if merged and merged[-1][0] == key and merged[-1][2] == begin:
-            merged[-1][2] = end
+        if merged and merged[-1][0] == key and begin <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], end)
         else:
             merged.append([key, begin, end])
     return merged

@@ -59,6 +59,7 @@ class FileContext:
     slab_bytes: int
     stock_open: Callable
     source_map: Callable[[str], mmap.mmap]  # a private map of a source shard, by path
+    note_mapped: Callable[[str, int, int], None]  # (path, offset, length) of a source read or viewed through a map
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from rankfs.common import contract
-from rankfs.common.disk import OpenFile, willneed_reach
+from rankfs.common.disk import OpenFile, covering_pages, merge_adjacent, willneed_reach
 
 log = logging.getLogger("rankfs.hook")
 
@@ -196,25 +196,31 @@ class DaemonLink:
                 self._reports = ThreadPoolExecutor(1, thread_name_prefix="rankfs-consumed")
             self._reports.submit(_send, mountpoint, command)
 
-    def close(self, paths: set[str], uncache: set[str]):
+    def close(self, paths: set[str], uncache: dict[str, list[tuple[int, int]]],
+              step: Callable[[str], None] = lambda name: None):
         """After a load: report the last figures and the view files it read (`paths`), drop what the
-        load added to the sources' page cache (all of those in `uncache`, which it mapped, unless
-        other local ranks share them: their daemon drops those) and close them."""
+        load added to the sources' page cache (the (begin, end) spans in `uncache` per source, which
+        it read through maps, unless other local ranks share the source: their daemon drops those)
+        and close them; `step(name)` as each part ends (the release's clock)."""
         self.flush_progress()
+        step("progress_report")
         with self._lock:
             self.source_reads = {"direct": sum(f.direct_read_bytes for f in self._sources.values()),
                                  "cached": sum(f.cached_read_bytes for f in self._sources.values())}
             for path, opened in self._sources.items():
-                if path in uncache and not opened.shared:
-                    os.posix_fadvise(opened.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                if not opened.shared:
+                    for _, begin, end in merge_adjacent((0, *covering_pages(*span)) for span in uncache.get(path, ())):
+                        os.posix_fadvise(opened.fd, begin, end - begin, os.POSIX_FADV_DONTNEED)
                 opened.drop_added()  # where it read through the page cache (a filesystem without O_DIRECT)
                 opened.close()  # unmapped first: the page cache keeps pages a process maps
+        step("source_pages")
         for path in paths:
             self.consumed(path)
         with self._lock:
             reports, self._reports = self._reports, None
         if reports is not None:
             reports.shutdown(wait=True)
+        step("consumed_reports")
         with self._lock:
             self._sources.clear()
             self._maps.clear()

@@ -153,6 +153,7 @@ class RankfsFile:
             return self._stock_read(name, "get_tensor")
         source, offset = self._placement[name]
         entry = self._entries[name]
+        self._files.note_mapped(source.path, offset, entry.nbytes)
         array = np.frombuffer(self._files.source_map(source.path), np.uint8)[offset:offset + entry.nbytes]
         return torch.from_numpy(array).view(TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
 

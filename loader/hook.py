@@ -64,12 +64,13 @@ class Hook:
         self.link = DaemonLink()
         self.trace = Trace(settings.trace_file)
         self.order = LoadOrder(self.wake_readers)
-        self.files = FileContext(self.link, slab_bytes, stock_open, self.source_map)
+        self.files = FileContext(self.link, slab_bytes, stock_open, self.source_map, self.note_mapped)
         self.executor: OrderedExecutor | None = None  # reads into slabs
         self.map_executor: OrderedExecutor | None = None  # reads mapped tensors ahead
         self.paths: set[str] = set()  # rankfs files the current load opened
         self.releases: list[dict] = []
         self._source_maps: dict[str, mmap.mmap] = {}
+        self._mapped_spans: dict[str, list[tuple[int, int]]] = {}  # source path -> what its map read or viewed
         self._collector_was_on: bool | None = None  # during a load: whether gc was enabled before it
         self._lock = threading.Lock()
         if self.mode == "on":
@@ -185,6 +186,13 @@ class Hook:
                 source.madvise(mmap.MADV_RANDOM)
             return source
 
+    def note_mapped(self, path: str, offset: int, length: int):
+        """Bytes of a source a map reads ahead or a tensor views: the release drops their pages from
+        the page cache, and only theirs (a whole source's would cost a warm load its other pages, and
+        time)."""
+        with self._lock:
+            self._mapped_spans.setdefault(path, []).append((offset, offset + length))
+
     # -- the release ------------------------------------------------------------------------------
 
     def release(self, phase: str | None = None) -> dict:
@@ -200,8 +208,7 @@ class Hook:
         clock.step("stop")
         self._free_memory()
         clock.step("memory")
-        self._drop_page_cache(paths)
-        clock.step("page_cache")
+        self._drop_page_cache(paths, clock)
         drop_daemons(paths)
         clock.step("daemons")
         after = memory.snapshot(with_nvml=True)
@@ -243,16 +250,19 @@ class Hook:
         memory.malloc_trim()
         memory.return_pinned_and_cached()
 
-    def _drop_page_cache(self, paths: set[str]):
+    def _drop_page_cache(self, paths: set[str], clock: "_StepClock"):
         """The views' pages, the mapped sources' pages in this process, and what the load added to
         the sources' page cache (rankfs.loader.daemon_link.DaemonLink.close)."""
         for path in paths:
             _drop_view_cache(path)
+        clock.step("view_pages")
         with self._lock:
             maps, self._source_maps = self._source_maps, {}
+            spans, self._mapped_spans = self._mapped_spans, {}
         for source in maps.values():  # its pages leave this process (a tensor still viewing it refaults them)
             source.madvise(mmap.MADV_DONTNEED)
-        self.link.close(paths, uncache=set(maps))  # the mapped sources' pages, once unmapped (staged reads add none)
+        clock.step("mapped_pages")
+        self.link.close(paths, uncache=spans, step=clock.step)  # what the maps read, once unmapped
 
     def _figures(self, phase: str, before: dict, after: dict, leftovers: list, clock: "_StepClock") -> dict:
         pools, device = self._pools(), self.on_device

@@ -55,6 +55,7 @@ class MappedFile(RankfsFile):
         """No wait: a view of the source's map, whose last view's death lets its budget go."""
         offset, nbytes = self.span(name)
         path = self._placement[name][0].path
+        self._files.note_mapped(path, offset, nbytes)
         if path not in self._maps:  # kept here: the tensors may outlive the hook's release
             self._maps[path] = np.frombuffer(self._files.source_map(path), np.uint8)
         if self._pieces_left.get(group) != 0 or group in self._unverified:  # else all its pages were read here
@@ -111,6 +112,8 @@ class MappedFile(RankfsFile):
         names = [n for n in self.groups[group] if n not in self._freed]
         spans = merge_adjacent(((self._placement[n][0].fd, self._placement[n][0].path), offset, offset + nbytes)
                                for n in names for offset, nbytes in [self.span(n)])
+        for (_, path), begin, end in spans:
+            self._files.note_mapped(path, begin, end - begin)
         pieces = [(fd, piece, size) for (fd, path), begin, end in spans
                   for piece, size in willneed_pieces(begin, end - begin, self._files.link.willneed_reach[path])]
         with self._lock:

@@ -120,7 +120,7 @@ def test_full_scale_checkpoint_mounts(full_scale, mount_dir):
             assert _open_files_under(full_scale) == lie_in and len(lie_in) < len(shards)
             assert all(0 < offset < os.path.getsize(source.path) for source, offset in placement.values())
         finally:
-            link.close(set(), set())
+            link.close(set(), {})
         assert not _open_files_under(full_scale)
 
 

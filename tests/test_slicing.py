@@ -183,6 +183,31 @@ def test_release_gives_back_everything_but_the_weights(tiny_checkpoint, mount_di
 
 
 @pytest.mark.mount
+def test_release_of_a_warm_load_drops_only_the_pages_it_mapped(tiny_checkpoint, mount_dir, hook):
+    """Sources the page cache held before the load: the release drops the pages of the rank's
+    tensors that it viewed through maps (all of them mapped, only the row stores staged), and
+    leaves the other ranks' pages cached."""
+    sources = sorted(tiny_checkpoint.glob("*.safetensors"))
+    with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+        counts = expert_counts(sources, PROFILE)
+        os.sync()  # pages written and not yet on the disk stay in the page cache whatever drops them
+        for source in sources:
+            source.read_bytes()
+        before = cached_bytes(sources)
+        params = load_like_engine(mount_dir / "target", engine_layout(4, 1, 1), tiny_checkpoint, counts)
+        loader.release("target")
+        dropped = before - cached_bytes(sources)
+        target = next(v for v in contract.read_status(str(mount_dir))["views"] if v["view"] == "target")
+        tensors = sum(len(read_header(view).tensors) for view in (mount_dir / "target").glob("*.safetensors"))
+        del params
+    assert before >= sum(source.stat().st_size for source in sources) - len(sources) * PAGE
+    # a tensor's first and last page may hold its neighbours' bytes too
+    assert 0 < dropped <= target["planned_bytes"] + 2 * PAGE * tensors < before
+    if hook == "map":
+        assert dropped >= target["planned_bytes"]
+
+
+@pytest.mark.mount
 def test_tensors_left_in_cycles_during_a_load_die_at_its_release_without_a_full_collection(tiny_checkpoint,
                                                                                           mount_dir, hook):
     """The collector is paused during a load, so what the loader dropped in reference cycles is
