@@ -21,7 +21,7 @@ from pathlib import Path
 from rankfs.common import contract, limits
 from rankfs.common.contract import GIB
 from rankfs.mount import hf_cache, kernel
-from rankfs.mount.config import DEFAULT_READAHEAD_MB, MountConfig, default_budget_bytes, default_push_threads
+from rankfs.mount.config import MountConfig, default_budget_bytes, default_push_threads, default_readahead_kb
 from rankfs.mount.exits import UsageError
 from rankfs.mount.launch import MountError, default_log, start, unmount
 from rankfs.plan.errors import CheckpointError, LayoutError
@@ -157,7 +157,7 @@ def resolve_checkpoint(checkpoint: str | os.PathLike, revision: str | None = Non
 def mount_config(checkpoint, mountpoint, *, tp_size: int, tp_rank: int | None = None, local_ranks=None,
                  ep_size: int = 1, tp_slice: str = "auto", placement: str = "sglang", n_experts: int | None = None,
                  profile: str | None = None, revision: str | None = None, inflight_gb: float | None = None,
-                 workers: int = 8, readahead_mb: int | None = None, direct_io: bool = False, push: bool = True,
+                 workers: int = 8, readahead_kb: int | None = None, direct_io: bool = False, push: bool = True,
                  push_threads: int | None = None, keep_cache: bool = False, allow_other: bool = False,
                  allow_outside_symlinks: bool = False,
                  fuse_options=(), debug_fuse: bool = False, trace: str | None = None,
@@ -172,12 +172,12 @@ def mount_config(checkpoint, mountpoint, *, tp_size: int, tp_rank: int | None = 
                          "process may still use (its cgroup's memory limit less what it uses, or the host's "
                          "available memory); give less, or leave it out to size it from that")
     options = [o for o in fuse_options if o]
+    specs = rank_specs(tp_size, tp_rank, local_ranks, ep_size, tp_slice, placement, n_experts)
     return MountConfig(
-        checkpoint=directory, mountpoint=mountpoint,
-        specs=rank_specs(tp_size, tp_rank, local_ranks, ep_size, tp_slice, placement, n_experts),
+        checkpoint=directory, mountpoint=mountpoint, specs=specs,
         budget_bytes=budget, profile=profile, workers=workers, direct_io=direct_io, push=push,
         push_threads=push_threads or default_push_threads(limits.cpu_count()), keep_cache=keep_cache,
-        readahead_kb=(readahead_mb or DEFAULT_READAHEAD_MB) * 1024,
+        readahead_kb=readahead_kb or default_readahead_kb(specs),
         allow_other=allow_other or "allow_other" in options,
         allow_outside_symlinks=allow_outside_symlinks or from_hub,
         fuse_options=tuple(o for o in options if o != "allow_other"), debug_fuse=debug_fuse,

@@ -112,9 +112,10 @@ def parser():
     g.add_argument("--workers", type=_count, default=8, metavar="N",
                    help="threads reading the sources ahead, N x 8 MiB in flight at most, and as many "
                         "for reads a loader waits on (default: 8)")
-    g.add_argument("--readahead-mb", type=_count, metavar="MIB",
-                   help="the mount's kernel readahead, in MiB: what a page fault the daemon's pushes have "
-                        "not covered reads around it (default: 1)")
+    g.add_argument("--readahead-kb", type=_count, metavar="KIB",
+                   help="the mount's kernel readahead, in KiB: what a page fault the daemon's pushes have "
+                        "not covered reads around it (default: 256 where experts are sliced, which puts "
+                        "the other ranks' fill around each slice, else 1024)")
     _switch(g, "--direct-io",
             help="read every chunk of the sources into buffers, none from maps of them (default: "
                  "from maps where the page cache holds the chunk, read direct (O_DIRECT) into a "
@@ -191,7 +192,7 @@ def cmd_mount(args) -> int:
         args.checkpoint, args.mountpoint, tp_size=args.tp_size, tp_rank=args.tp_rank, local_ranks=args.local_ranks,
         ep_size=args.ep_size, tp_slice=args.tp_slice, placement=args.placement, n_experts=args.n_experts,
         profile=args.profile, revision=args.revision, inflight_gb=args.inflight_gb, workers=args.workers,
-        readahead_mb=args.readahead_mb, direct_io=args.direct_io, push=args.push, push_threads=args.push_threads,
+        readahead_kb=args.readahead_kb, direct_io=args.direct_io, push=args.push, push_threads=args.push_threads,
         keep_cache=args.keep_cache,
         allow_other=args.allow_other, allow_outside_symlinks=args.allow_outside_symlinks,
         fuse_options=[o for opts in args.options for o in opts.split(",")], debug_fuse=args.debug_fuse,

@@ -14,9 +14,14 @@ from rankfs.plan.spec import RankSpec
 # smaller budget leaves most of a warm load to FUSE requests (figures: docs/benchmark.md).
 DEFAULT_BUDGET_BYTES = 4 * GIB
 MIN_BUDGET_BYTES = 64 << 20
-# The kernel's read-around of a page fault the pushes have not covered: at 16 MiB, a sliced tensor's
-# fault asks for the fill around its slice too, requests that keep the daemon from pushing.
-DEFAULT_READAHEAD_MB = 1
+# The kernel's read-around of a page fault the pushes have not covered; less where experts are
+# sliced by rows, since a fault by a slice's edge reads the other ranks' fill around it.
+READAHEAD_KB = 1024
+SLICED_READAHEAD_KB = 256
+
+
+def default_readahead_kb(specs) -> int:
+    return SLICED_READAHEAD_KB if any(spec.slices_experts for spec in specs) else READAHEAD_KB
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class MountConfig:
     push: bool = True
     push_threads: int = 8  # notify_store calls at once (default_push_threads)
     keep_cache: bool = False  # the views' pages stay cached once the loader is done with them
-    readahead_kb: int = DEFAULT_READAHEAD_MB * 1024
+    readahead_kb: int = READAHEAD_KB
     max_background: int = 64
     congestion_threshold: int = 48
     allow_other: bool = False

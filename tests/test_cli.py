@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +58,16 @@ def test_status_and_drop(tiny_checkpoint, mount_dir):
         assert status["tuning"]["read_ahead_kb"] and status["tuning"]["max_background"]
         assert rankfs("drop", mount_dir).stdout == "rankfs: dropped the views' page cache and the daemon's buffers\n"
         assert contract.read_status(str(mount_dir))["drops"] == status["drops"] + 1
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("flags, readahead_kb", [(("--tp-size", 4, "--tp-rank", 1), 256),  # experts sliced
+                                                 (("--tp-size", 4, "--tp-rank", 1, "--ep-size", 4), 1024),
+                                                 (("--tp-size", 4, "--tp-rank", 1, "--readahead-kb", 512), 512)])
+def test_the_mounts_readahead_is_smaller_where_experts_are_sliced(tiny_checkpoint, mount_dir, flags, readahead_kb):
+    with mounted(tiny_checkpoint, mount_dir, *flags):
+        device = contract.find_mount(str(mount_dir)).device
+        assert int(Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text()) == readahead_kb
 
 
 @pytest.mark.mount
