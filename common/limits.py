@@ -101,16 +101,16 @@ def memory_room(groups: Cgroups | None = None) -> int | None:
     groups = groups or cgroups()
     if groups.memory is None:
         return None
+    limit_files, usage_file, inactive_key = (
+        (("memory.max", "memory.high"), "memory.current", "inactive_file") if groups.v2
+        else (("memory.limit_in_bytes",), "memory.usage_in_bytes", "total_inactive_file"))
     room = None
-    for directory in _lineage(groups.memory, "memory.max" if groups.v2 else "memory.limit_in_bytes"):
-        if groups.v2:
-            limits = [_number(_read(directory / "memory.max")), _number(_read(directory / "memory.high"))]
-            used, inactive = _number(_read(directory / "memory.current")), _stat(directory, "inactive_file")
-        else:
-            limits = [_number(_read(directory / "memory.limit_in_bytes"))]
-            used, inactive = (_number(_read(directory / "memory.usage_in_bytes")),
-                              _stat(directory, "total_inactive_file"))
-        for limit in filter(None, limits):
+    for directory in _lineage(groups.memory, limit_files[0]):
+        limits = [limit for limit in (_number(_read(directory / name)) for name in limit_files) if limit]
+        if not limits:  # its usage and memory.stat go unread: the read-ahead asks ten times a second
+            continue
+        used, inactive = _number(_read(directory / usage_file)), _stat(directory, inactive_key)
+        for limit in limits:
             free = max(0, limit - (used or 0) + inactive)
             room = free if room is None else min(room, free)
     return room
