@@ -47,6 +47,8 @@ class MappedFile(RankfsFile):
         self._unverified: set[int] = set()  # groups a piece of which was not read here: cached already, or failed
         self._closed = False
         self._lock = threading.Lock()
+        for (_, source), begin, end in self._source_spans([n for group in self.groups for n in group]):
+            self._files.note_mapped(source, begin, end - begin)  # what the release drops, noted once
         self._futures: list[Future] = [context.executor.submit((path, g), self._read_ahead, g, self._unfreed[g],
                                                                 cost=self._unfreed[g])
                                        for g in range(len(self.groups))]
@@ -55,7 +57,6 @@ class MappedFile(RankfsFile):
         """No wait: a view of the source's map, whose last view's death lets its budget go."""
         offset, nbytes = self.span(name)
         path = self._placement[name][0].path
-        self._files.note_mapped(path, offset, nbytes)
         if path not in self._maps:  # kept here: the tensors may outlive the hook's release
             self._maps[path] = np.frombuffer(self._files.source_map(path), np.uint8)
         if self._pieces_left.get(group) != 0 or group in self._unverified:  # else all its pages were read here
@@ -110,16 +111,17 @@ class MappedFile(RankfsFile):
         if not unfreed:
             return
         names = [n for n in self.groups[group] if n not in self._freed]
-        spans = merge_adjacent(((self._placement[n][0].fd, self._placement[n][0].path), offset, offset + nbytes)
-                               for n in names for offset, nbytes in [self.span(n)])
-        for (_, path), begin, end in spans:
-            self._files.note_mapped(path, begin, end - begin)
-        pieces = [(fd, piece, size) for (fd, path), begin, end in spans
+        pieces = [(fd, piece, size) for (fd, path), begin, end in self._source_spans(names)
                   for piece, size in willneed_pieces(begin, end - begin, self._files.link.willneed_reach[path])]
         with self._lock:
             self._pieces_left[group] = len(pieces)
         for i, piece in enumerate(pieces):
             self._load_context.executor.submit((self.path, group, i), self._read_piece, group, *piece)
+
+    def _source_spans(self, names: list[str]) -> list[list]:
+        """((fd, path), begin, end) in the sources of what is read for the tensors, adjacent ones joined."""
+        return merge_adjacent(((self._placement[n][0].fd, self._placement[n][0].path), offset, offset + nbytes)
+                              for n in names for offset, nbytes in [self.span(n)])
 
     def _read_piece(self, group: int, fd: int, offset: int, length: int):
         try:
