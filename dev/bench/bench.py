@@ -192,7 +192,10 @@ class Bench:
             record = self.config.profiles / f"{self.slug(row.label, mode, run)}.txt"
         daemon = contract.read_status(str(mountpoint))["pid"] if mountpoint is not None else None
         sources_cached, daemon_cpu = cached_bytes(files), cpu_seconds(daemon) if daemon else 0.0
+        daemon_record = record.with_suffix(".daemon.txt") if record is not None and daemon else None
+        recorder = profile.attach(daemon, daemon_record) if daemon_record else None
         result = run_path(row.kind, args, record, self.config.profile_mode)
+        profile.detach(recorder, daemon_record)
         # Only pages of files the row owns: machine-wide Cached also grows by the libraries a cold
         # process maps.
         left = cached_bytes(files) - sources_cached
@@ -365,8 +368,9 @@ def parser() -> argparse.ArgumentParser:
                         "every run's seconds (default: 1)")
     p.add_argument("--profile", nargs="?", const="idle", choices=profile.MODES, metavar="MODE",
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread "
-                        "group; MODE: idle (every thread, the default), gil (the threads holding the GIL), native "
-                        "(with C frames; pauses the process at each sample)")
+                        "group, and a row's mount's daemon (*.daemon.txt, never paused); MODE: idle (every thread, the "
+                        "default), gil (the threads holding the GIL), native (with C frames; pauses the process at "
+                        "each sample)")
     p.add_argument("--trace", action="store_true",
                    help="trace the daemon of each row through a view (rankfs mount --trace), and the hook "
                         "(RANKFS_HOOK_TRACE): OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace_summary)")

@@ -2,7 +2,7 @@
 idle ones included), summed per thread group (the hook's readers, the loader's copy and open
 threads, the main thread) into the frames they sat in most.
 
-    python3 -m dev bench ... --profile [MODE] # a py-spy record and a summary per load row
+    python3 -m dev bench ... --profile [MODE] # a py-spy record and a summary per load row (and its mount's daemon)
     python3 -m dev.bench.profile RAW [N]      # the summary of a record (py-spy's raw format)
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import re
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +32,27 @@ def command(record: Path, mode: str = "idle") -> list[str] | None:
         return None
     return [spy, "record", "--rate", "100", "--threads", *MODES[mode], "--format", "raw", "--output", str(record),
             "--"]
+
+
+def attach(pid: int, record: Path) -> subprocess.Popen | None:
+    """py-spy recording a running process (a mount's daemon) into `record` until `detach`; never
+    pausing it: a FUSE daemon stopped mid-request stalls its readers."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    return subprocess.Popen([spy, "record", "--rate", "100", "--threads", "--idle", "--nonblocking", "--format", "raw",
+                             "--output", str(record), "--pid", str(pid)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def detach(recorder: subprocess.Popen | None, record: Path):
+    """Stop an `attach` recording (py-spy writes its record on SIGINT) and summarize it beside it."""
+    if recorder is None:
+        return
+    recorder.send_signal(signal.SIGINT)
+    recorder.wait(timeout=60)
+    if record.exists():
+        record.with_suffix(".summary.txt").write_text(summarize(record) + "\n")
 
 
 def _group(thread: str) -> str:
