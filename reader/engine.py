@@ -32,7 +32,7 @@ from rankfs.reader.chunks import CHUNK_BYTES, Chunk, Fill
 from rankfs.reader.holdings import DEMAND_SLACK, Holdings
 from rankfs.reader.source_reader import BackingError, SourceReader
 from rankfs.reader.schedule import FileStream, ViewStream
-from rankfs.common.trace import Trace, timed
+from rankfs.common.trace import Trace
 
 log = logging.getLogger("rankfs.reader")
 
@@ -44,6 +44,10 @@ PUSH_GAP_CHUNKS = 4
 # or skipped) stops counting against the budget once the loader's frontier is this many chunks past it.
 PUSH_LAG_CHUNKS = 32
 MIN_PUSH_BYTES = 64 << 10
+# Chunks read ahead together, in one worker call, up to this many bytes: a sliced rank's chunks are
+# a few hundred KB to a few MB (the rank's block of each expert), and each hop to a thread and back
+# costs milliseconds while the event loop answers requests.
+AHEAD_GROUP_BYTES = CHUNK_BYTES
 # A view is prefetched once it has served this much: a loader, not a look at a header.
 PREFETCH_AFTER_BYTES = 4 * CHUNK_BYTES
 
@@ -170,7 +174,7 @@ class ReadEngine:
                     chunk.handed_anew()
                 self.held.make_room(chunk)
                 chunk.loading = trio.Event()
-                await self._load(chunk)
+                await self._load([chunk])
             else:
                 await chunk.loading.wait()
             if chunk.error is not None:
@@ -375,55 +379,65 @@ class ReadEngine:
                 await self.budget.wait_for_room(CHUNK_BYTES)
                 # Chosen once a read can start: files' consumption may have changed meanwhile.
                 await self._ahead_bytes.wait_for_room(CHUNK_BYTES)
-                # A pass offers each chunk once: a file's cursor only moves on (ViewStream.next_chunk).
-                chunk = view.next_chunk() if view.passes == this_pass else None
-                if chunk is None or chunk.fill or chunk.requested or chunk.buffer is not None \
-                        or chunk.loading is not None or chunk.handed_bytes >= chunk.length:
-                    if chunk is None:
-                        return
-                    continue  # fill, or read by the loader, in memory or being read
-                self.trace.chunk("queued", chunk)
-                self.stats.prefetch_loads += 1
-                self.budget.reserve(self.held.cost(chunk))
-                self._ahead_bytes.reserve(chunk.length)
-                chunk.loading = trio.Event()  # before the task starts: a demand read must wait for it
-                self._nursery.start_soon(self._load, chunk, True)
+                chunks, last = view.next_chunks(AHEAD_GROUP_BYTES, this_pass)
+                if chunks:
+                    for chunk in chunks:
+                        self.trace.chunk("queued", chunk)
+                        self.budget.reserve(self.held.cost(chunk))
+                        chunk.loading = trio.Event()  # before the task starts: a demand read must wait for it
+                    self.stats.prefetch_loads += len(chunks)
+                    self._ahead_bytes.reserve(sum(c.length for c in chunks))
+                    self._nursery.start_soon(self._load, chunks, True)
+                if last:
+                    return
         finally:
             if view.passes == this_pass:
                 view.running = False
 
     # -- loading --------------------------------------------------------------------------------
 
-    async def _load(self, chunk: Chunk, prefetched: bool = False):
-        """Read a chunk whose `loading` event is set, and wake whoever waits on it. A prefetched
-        chunk is then offered for pushing."""
+    async def _load(self, chunks: list[Chunk], prefetched: bool = False):
+        """Read chunks whose `loading` events are set, in one worker call, and wake whoever waits on
+        each. Prefetched chunks are then offered for pushing."""
         drops = self.drops
-        mapped = self._reader.maps_chunk(chunk, on_event_loop=True)
-        buffer = None if mapped else self.held.pool.take(self.held.cost(chunk))
+        mapped = [self._reader.maps_chunk(chunk, on_event_loop=True) for chunk in chunks]
+        buffers = [None if m else self.held.pool.take(self.held.cost(c)) for c, m in zip(chunks, mapped)]
         asked = time.monotonic()
         try:
-            (buffer, view), began, ended = await trio.to_thread.run_sync(
-                timed, self._read_chunk, chunk, buffer, mapped,
-                limiter=self._ahead_threads if prefetched else self._waited_threads)
-            chunk.take(view, self.held.backing(chunk, buffer))
-            self._count_read(chunk)
-            self.trace.chunk("read", chunk, (asked, began, ended), demand=not prefetched)
-            self.held.add(chunk)
-            if prefetched and self._pushing and drops == self.drops:
-                self._pushable_send.send_nowait(chunk)
-        except Exception as exc:  # any failure: the readers get EIO, the daemon keeps serving
-            self.stats.errors += 1
-            self.budget.release(self.held.cost(chunk))
-            if buffer is not None:
-                self.held.pool.give_back(buffer)
-            chunk.error = str(exc)
-            log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor,
-                      exc_info=not isinstance(exc, OSError))
+            try:
+                results = await trio.to_thread.run_sync(
+                    self._reader.read_chunks, chunks, buffers, mapped, self.held.pool.new,
+                    limiter=self._ahead_threads if prefetched else self._waited_threads)
+            except Exception as exc:
+                results = [exc] * len(chunks)
+            for chunk, buffer, result in zip(chunks, buffers, results):
+                try:
+                    if isinstance(result, Exception):
+                        raise result
+                    (buffer, view), began, ended = result
+                    chunk.take(view, self.held.backing(chunk, buffer))
+                    self._count_read(chunk)
+                    self.trace.chunk("read", chunk, (asked, began, ended), demand=not prefetched)
+                    self.held.add(chunk)
+                    if prefetched and self._pushing and drops == self.drops:
+                        self._pushable_send.send_nowait(chunk)
+                except Exception as exc:  # any failure: its readers get EIO, the daemon keeps serving
+                    self._failed(chunk, buffer, exc)
         finally:
-            event, chunk.loading = chunk.loading, None
-            event.set()
+            for chunk in chunks:
+                event, chunk.loading = chunk.loading, None
+                event.set()
             if prefetched:
-                self._ahead_bytes.release(chunk.length)
+                self._ahead_bytes.release(sum(c.length for c in chunks))
+
+    def _failed(self, chunk: Chunk, buffer, exc: Exception):
+        """A chunk could not be read: what it held goes back, and its error is what its readers get."""
+        self.stats.errors += 1
+        self.budget.release(self.held.cost(chunk))
+        if buffer is not None:
+            self.held.pool.give_back(buffer)
+        chunk.error = str(exc)
+        log.error("backing read failed: %s (tensor %s)", exc, chunk.tensor, exc_info=not isinstance(exc, OSError))
 
     def _count_read(self, chunk: Chunk):
         """The chunk's bytes were read from its source: as the plan's, or on demand (row stores)."""
@@ -433,17 +447,3 @@ class ReadEngine:
             self.stats.read_bytes[chunk.source] += chunk.length
             self.stats.reread_bytes += chunk.length if chunk.reads else 0
         chunk.reads += 1
-
-    def _read_chunk(self, chunk: Chunk, buffer, mapped: bool):
-        """Runs in a worker thread: the chunk's range of its source's map, resident, where `_load`
-        found it may be mapped (`maps_chunk`, asked once); or a read into a pool buffer (a new one
-        where the pool had none idle). Returns (the buffer, or None for a map range; the chunk's
-        bytes)."""
-        if mapped:
-            view = self._reader.mapped_range(chunk.source, chunk.source_offset, chunk.source_offset + chunk.length)
-            if view is not None:
-                return None, memoryview(view)
-        if buffer is None:
-            begin, end = chunk.read_span()
-            buffer = self.held.pool.new(end - begin)
-        return buffer, self._reader.read_into(chunk, buffer)

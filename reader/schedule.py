@@ -119,13 +119,36 @@ class ViewStream:
         (several, for loaders that read files in parallel), else in the first file not prefetched
         to its end. A file whose header alone was read (opened ahead of its turn) is not being
         consumed: it would take its share of the read-ahead from the one that is."""
-        consuming = [f for f in self.files if f.consuming and f.cursor < len(f.chunks)]
-        candidates = consuming or [f for f in self.files if f.cursor < len(f.chunks)][:1]
-        if not candidates:
+        file = self._next_file()
+        if file is None:
             return None
-        file = min(candidates, key=FileStream.lead)
         file.cursor += 1
         return file.chunks[file.cursor - 1]
+
+    def _next_file(self) -> FileStream | None:
+        consuming = [f for f in self.files if f.consuming and f.cursor < len(f.chunks)]
+        candidates = consuming or [f for f in self.files if f.cursor < len(f.chunks)][:1]
+        return min(candidates, key=FileStream.lead) if candidates else None
+
+    def next_chunks(self, nbytes: int, this_pass: int) -> tuple[list[Chunk], bool]:
+        """The next chunks to read ahead in one go, in `next_chunk`'s order, `nbytes` at most (one
+        larger alone); and whether the pass `this_pass` is done (ended, or nothing left). Fill, and
+        chunks the loader read or that are in memory or being read, are passed over: a pass offers
+        each chunk once (a file's cursor only moves on)."""
+        chunks, taken = [], 0
+        while True:
+            file = self._next_file() if self.passes == this_pass else None
+            if file is None:
+                return chunks, True
+            chunk = file.chunks[file.cursor]
+            wanted = not (chunk.fill or chunk.requested or chunk.buffer is not None or chunk.loading is not None
+                          or chunk.handed_bytes >= chunk.length)
+            if wanted and chunks and taken + chunk.length > nbytes:
+                return chunks, False  # left for the next group
+            file.cursor += 1
+            if wanted:
+                chunks.append(chunk)
+                taken += chunk.length
 
     def prefetched(self) -> bool:
         """Whether every file was prefetched, or read, to its end."""

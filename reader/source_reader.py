@@ -20,6 +20,7 @@ from rankfs.plan.extents import Extent
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
 from rankfs.common.disk import PAGE, OpenFile, page_cache_holds
+from rankfs.common.trace import timed
 from rankfs.reader.source_maps import MappedSources
 
 
@@ -86,6 +87,30 @@ class SourceReader:
             return self.maps.view(index, begin, end)
         except (OSError, ValueError):
             return None
+
+    def read_chunks(self, chunks: list[Chunk], buffers: list, mapped: list[bool], new_buffer) -> list:
+        """Runs in a worker thread: each chunk's bytes (`read_chunk`) with the times its read began
+        and ended, or the exception it raised: a failed read is that chunk's alone."""
+        results = []
+        for chunk, buffer, maps in zip(chunks, buffers, mapped):
+            try:
+                results.append(timed(self.read_chunk, chunk, buffer, maps, new_buffer))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def read_chunk(self, chunk: Chunk, buffer, mapped: bool, new_buffer) -> tuple:
+        """The chunk's range of its source's map, resident, where the caller found it may be mapped
+        (`maps_chunk`, asked once); or a read into `buffer` (`new_buffer(nbytes)` where it is
+        None). Returns (the buffer, or None for a map range; the chunk's bytes)."""
+        if mapped:
+            view = self.mapped_range(chunk.source, chunk.source_offset, chunk.source_offset + chunk.length)
+            if view is not None:
+                return None, memoryview(view)
+        if buffer is None:
+            begin, end = chunk.read_span()
+            buffer = new_buffer(end - begin)
+        return buffer, self.read_into(chunk, buffer)
 
     def read_into(self, chunk: Chunk, buffer: mmap.mmap) -> memoryview:
         """One large read of the chunk into `buffer` (of its whole pages' size at least), direct
