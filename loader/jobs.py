@@ -2,8 +2,8 @@
 disk (direct) unless the page cache holds them; slices spread over rows read whole, their columns
 picked by the landing (a GPU slab's pitched upload) or copied out on the CPU, where the page cache
 holds them straight out of its mapped pages; and a group of small reads whose sources the page
-cache holds all, a piece of the slab per job, copied out of maps of them into a host slab, read
-into a bounce buffer for the GPU. Short reads name the file and the tensor. rankfs.loader.staged
+cache holds all, a piece of the slab per job, copied out of maps of them into a host slab or a
+read thread's bounce buffer. Short reads name the file and the tensor. rankfs.loader.staged
 decides which a group takes."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class Copy(NamedTuple):
     """A read into a slab at `at` of `length` bytes of a source from `offset`: a block, or the
     whole rows of a slice spread over them (`rows`), of which the rank's columns land. `read`
     does it on its own (from the disk, or the page cache; `read_as(True)` where the group's
-    sources were found cached); where a group's sources are cached and it lands in a host slab,
-    jobs of copies are made out of maps instead (`_copy_out_of_cache`)."""
+    sources were found cached); where a group's small reads' sources are all cached, jobs of copies
+    are made out of maps instead (`_copy_out_of_cache`)."""
     source: OpenFile
     offset: int
     length: int
@@ -130,16 +130,15 @@ def _covering(copies: list[Copy]) -> dict[OpenFile, tuple[int, int]]:
 
 def cached_jobs(copies: list[Copy], landing, trace) -> list:
     """Copies out of the page cache in slab order, as jobs of a landing's piece of the slab at most
-    (RUN_BYTES in a host slab). One larger alone is a job of its own read. Into a host slab they
-    are copied out of maps; where a bounce buffer takes them they are read (pread), which moves a
-    block of rows faster than a map's page faults and unmapping do. Their reads do not ask the
-    page cache again (`Copy.read_as`)."""
+    (RUN_BYTES in a host slab, a bounce buffer's piece for a GPU slab), each copied out of maps of
+    its sources: a sliced w2 moves only the rank's columns, where a read of its whole rows into a
+    bounce buffer moved four times its bytes. One larger than a piece alone is a job of its own
+    read, which does not ask the page cache again (`Copy.read_as`)."""
     cap = landing.piece or RUN_BYTES
     jobs, job = [], []
 
     def close_job():
-        work, args = (_run_each, [c.read_as(True) for c in job]) if landing.picks_columns else (_copy_out_of_cache, job)
-        jobs.append(_job(trace, sum(c.length for c in job), len(job), work, args, landing))
+        jobs.append(_job(trace, sum(c.length for c in job), len(job), _copy_out_of_cache, job, landing))
     for copy in sorted(copies, key=lambda c: c.at):
         if copy.landed > cap:
             jobs.append(_job(trace, copy.length, 1, _run_each, [copy.read_as(True)], landing))

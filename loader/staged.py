@@ -15,9 +15,9 @@ unless the page cache holds it, at its file offset's place within a page, with i
 pages to itself, as direct reads need (a bounce buffer keeps that place within a page); slices
 spread over rows read whole, only the rank's columns uploaded to a GPU slab; into a host slab their
 columns are copied out of the page cache's mapped pages where it holds them. A group of small reads
-whose sources the page cache holds (a warm sliced rank's experts) is, into a host slab, copied out
-of maps instead, a piece of the slab per job, alike copies at one step in one numpy call. Either
-way a load adds nothing to the page cache.
+whose sources the page cache holds (a warm sliced rank's experts) is copied out of maps instead,
+a piece of the slab (or of a bounce buffer, for a GPU slab) per job, alike copies at one step in
+one numpy call. Either way a load adds nothing to the page cache.
 
 Reads ahead are admitted in the loaders' order while the budget has room. The file the loader
 consumes now goes beyond it only when files before it hold one slab at most (the loader takes a

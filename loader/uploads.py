@@ -1,9 +1,9 @@
 """A read thread's uploads to GPU slabs: its two bounce buffers, reads landing in one while the
 other uploads, across jobs too (a job's last upload is waited for by its group, not by the thread).
 Reads that come next to each other in a slab share an upload while they fit: each upload takes the
-GIL a few times, which the loader's loop waits for. Whole rows of a slice land as they are and only
-the rank's columns go up, by one pitched copy, which moves a sliced w2's scales (18 of each 72-byte
-row kept) several times as fast as picking the columns on the CPU.
+GIL a few times, which the loader's loop waits for. Whole rows of a slice read from the disk land
+as they are and only the rank's columns go up, by one pitched copy (the page cache's rows have
+their columns picked on the CPU, out of maps: rankfs.loader.jobs).
 
 How the bytes go up is a `Transfer`: `CudaTransfer`, a stream of the thread's own and the runtime's
 pitched copies. The bookkeeping around it is the same whatever the transfer (the tests run it with
