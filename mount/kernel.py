@@ -53,7 +53,10 @@ def connection(entry: MountEntry) -> Path:
 
 def tune(entry: MountEntry, readahead_kb: int, max_background: int, congestion_threshold: int) -> dict:
     """The mount's readahead, and a deep background queue, so page faults become parallel reads.
-    Needs root; without it the mount works with the kernel defaults (logged)."""
+    Needs root; without it the mount works with the kernel defaults (logged). Called off the
+    event loop: the kernel sets the readahead again from the daemon's answer to its INIT request,
+    over a value written before, and a request (statvfs) is only answered once INIT is done."""
+    os.statvfs(entry.mountpoint)
     done = {"read_ahead_kb": _write(Path(f"/sys/class/bdi/{entry.device}/read_ahead_kb"), readahead_kb)}
     fuse = connection(entry)
     # Raise the limit before the threshold: the kernel refuses a threshold above the limit.
