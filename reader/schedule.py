@@ -114,24 +114,17 @@ class ViewStream:
             stream.planned_bytes += sum(c.length for c in prefetchable if not c.fill)
         return stream
 
-    def next_chunk(self) -> Chunk | None:
-        """What to prefetch next: in the file being consumed that the prefetcher is least ahead in
-        (several, for loaders that read files in parallel), else in the first file not prefetched
-        to its end. A file whose header alone was read (opened ahead of its turn) is not being
-        consumed: it would take its share of the read-ahead from the one that is."""
-        file = self._next_file()
-        if file is None:
-            return None
-        file.cursor += 1
-        return file.chunks[file.cursor - 1]
-
     def _next_file(self) -> FileStream | None:
+        """Where to prefetch next: the file being consumed that the prefetcher is least ahead in
+        (several, for loaders that read files in parallel), else the first file not prefetched to
+        its end. A file whose header alone was read (opened ahead of its turn) is not being
+        consumed: it would take its share of the read-ahead from the one that is."""
         consuming = [f for f in self.files if f.consuming and f.cursor < len(f.chunks)]
         candidates = consuming or [f for f in self.files if f.cursor < len(f.chunks)][:1]
         return min(candidates, key=FileStream.lead) if candidates else None
 
     def next_chunks(self, nbytes: int, this_pass: int) -> tuple[list[Chunk], bool]:
-        """The next chunks to read ahead in one go, in `next_chunk`'s order, `nbytes` at most (one
+        """The next chunks to read ahead in one go, each from the file `_next_file` picks, `nbytes` at most (one
         larger alone); and whether the pass `this_pass` is done (ended, or nothing left). Fill, and
         chunks the loader read or that are in memory or being read, are passed over: a pass offers
         each chunk once (a file's cursor only moves on)."""

@@ -37,8 +37,14 @@ def read(view: ViewStream, file: int, position: int):
     ReadEngine((), 1 << 30).answered(chunk, chunk.start, chunk.end)
 
 
+def next_chunk(view: ViewStream) -> Chunk:
+    """The next chunk the read-ahead takes: one chunk's bytes in a group."""
+    chunks, _ = view.next_chunks(CHUNK_BYTES, view.passes)
+    return chunks[0]
+
+
 def order(view: ViewStream, n: int) -> list[tuple[int, int]]:
-    picked = [view.next_chunk() for _ in range(n)]
+    picked = [next_chunk(view) for _ in range(n)]
     return [(c.source, c.stream_pos) for c in picked]
 
 
@@ -71,7 +77,7 @@ def test_the_frontier_ignores_chunks_read_out_of_order():
     assert stream.frontier == 2  # 2 and 3 are still to come; 4 was read
     read(view, 0, 2)
     read(view, 0, 3)
-    assert stream.frontier == 5 and view.next_chunk().stream_pos == 5 and view.prefetched()
+    assert stream.frontier == 5 and next_chunk(view).stream_pos == 5 and view.prefetched()
 
 
 def test_an_open_during_the_background_layout_finishes_it_and_the_view_is_registered_once(tiny_checkpoint):
