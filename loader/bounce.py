@@ -10,6 +10,7 @@ import queue
 import threading
 
 from rankfs.common.disk import PAGE
+from rankfs.common.threads import start_thread
 from rankfs.loader.slabs import HostBuffer
 
 log = logging.getLogger("rankfs.hook")
@@ -29,10 +30,7 @@ class BounceBuffers:
         self._idle = 0  # made and not taken
         self._lock = threading.Lock()
         shares = [count // self.MAKERS + (i < count % self.MAKERS) for i in range(min(self.MAKERS, count))]
-        self._makers = [threading.Thread(target=self._make, args=(share,), name="rankfs-bounce", daemon=True)
-                        for share in shares]
-        for maker in self._makers:
-            maker.start()
+        self._makers = [start_thread(self._make, "rankfs-bounce", share) for share in shares]
 
     def _make(self, count: int):
         for made in range(count):

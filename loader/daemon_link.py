@@ -15,6 +15,7 @@ from typing import Callable
 
 from rankfs.common import contract
 from rankfs.common.disk import OpenFile, covering_pages, merge_adjacent, willneed_reach
+from rankfs.common.threads import start_thread
 
 log = logging.getLogger("rankfs.hook")
 
@@ -35,7 +36,7 @@ class ViewProgress:
         self._silent = False
         # At once, so that the daemon stops reading ahead what this process reads itself, but not on
         # the thread opening the view's first file: the write waits for the daemon to answer.
-        threading.Thread(target=self.flush, name="rankfs-report", daemon=True).start()
+        start_thread(self.flush, "rankfs-report")
 
     def add(self, nbytes: int):
         """Count bytes loaded; report them where one is due and none is being sent. Called on the
@@ -241,8 +242,7 @@ def drop_daemons(paths: set[str]):
         except (OSError, ValueError, KeyError) as exc:  # unmounted already
             log.info("rankfs hook: %s: daemon not asked to drop: %s", mountpoint, exc)
             continue
-        sender = threading.Thread(target=_send, args=(mountpoint, contract.DROP), name="rankfs-drop", daemon=True)
-        sender.start()
+        sender = start_thread(_send, "rankfs-drop", mountpoint, contract.DROP)
         sender.join(DROP_TIMEOUT)
         if sender.is_alive():
             log.warning("rankfs hook: %s: the daemon did not confirm the drop within %g s", mountpoint, DROP_TIMEOUT)

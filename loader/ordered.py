@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from rankfs.loader.budget import Budget
+from rankfs.common.threads import start_thread
 
 
 _thread = threading.local()
@@ -75,10 +76,7 @@ class OrderedExecutor:
         self._cpu_running = 0
         if budget is not None:
             budget.on_release(self.wake)
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        self._threads = [start_thread(self._work, f"{name}-{i}") for i in range(threads)]
 
     def submit(self, key, fn, *args, cost: int = 0, urgent: Callable[[], bool] | None = None) -> Future:
         """Run fn(*args) before every queued job with a larger key (ties: in submission order). A

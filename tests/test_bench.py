@@ -1,7 +1,7 @@
-"""The benchmark's own logic: its profile summary (dev/bench/profile.py), the check that every
-load got the weights the original shards give (dev/bench/report.py), the rounds of a repeated run
-(dev/bench/bench.py),
-and the hook's own rate (a load with no engine copies, dev/bench/paths.py)."""
+"""The benchmark's own logic: its profile summaries (dev/bench/profile.py, what py-spy recorded;
+dev/bench/thread_states.py, what the kernel said of each thread), the check that every load got
+the weights the original shards give (dev/bench/report.py), the rounds of a repeated run
+(dev/bench/bench.py), and the hook's own rate (a load with no engine copies, dev/bench/paths.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT, mounted
+from dev.bench import thread_states
 from dev.bench.profile import summarize
 from dev.bench.bench import Bench, BenchConfig, Row, hook_env_variants
 from dev.bench.report import check_bitwise
@@ -31,6 +32,41 @@ def test_a_profile_is_summed_per_thread_group(tmp_path):
     assert summary[0] == "rankfs-read: 16 samples"
     assert summary[1].split() == ["75.0%", "wait", "(threading.py:5)", "<", "run", "(threading.py:1)"]
     assert summary[2].split()[:3] == ["25.0%", "_read_run", "(staged.py:10)"] and summary[3] == "MainThread: 2 samples"
+
+
+SPINNING_AND_IDLE = """
+import threading, time
+from rankfs.common.threads import start_thread
+done = threading.Event()
+def spin():
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        pass
+spinners = [start_thread(spin, f"spin-{g}-{i}") for g in "ab" for i in range(2)]
+idlers = [start_thread(done.wait, f"idle-{i}") for i in range(2)]
+for thread in spinners:
+    thread.join()
+done.set()
+"""
+
+
+def test_the_thread_sampler_tells_waits_for_the_gil_from_other_waits(tmp_path):
+    """Four threads of two groups spinning in Python wait for the GIL most of their time, by the
+    kernel's count; two threads waiting on an event wait on a futex of their own, not the GIL's."""
+    record = tmp_path / "threads.json"
+    status = thread_states.main(["--record", str(record), "--", sys.executable, "-c", SPINNING_AND_IDLE])
+    assert status == 0
+    groups, group = {}, None
+    for line in thread_states.summarize(record).splitlines()[1:]:
+        if not line.startswith(" "):
+            group = line.split(":")[0]
+            continue
+        share, what = line.split("%", 1)
+        groups.setdefault(group, {})[what.strip()] = float(share)
+    for spinners in ("spin-a", "spin-b"):
+        assert groups[spinners].get("waiting for the GIL", 0) >= 25, groups
+    idle = groups["idle"]
+    assert idle.get("waiting on another futex", 0) >= 80 and idle.get("waiting for the GIL", 0) < 5, groups
 
 
 def test_a_load_whose_weights_differ_from_the_originals_is_flagged():

@@ -13,6 +13,22 @@ from rankfs.loader.ordered import OrderedExecutor
 from rankfs.loader.settings import HookSettings, SettingError
 
 
+def test_the_read_threads_carry_their_names_in_the_kernel():
+    """What `top -H`, perf and the benchmark's thread sampler see of the engine's process: the
+    hook's threads by name (cut to the kernel's 15 bytes), not one more `python3`."""
+    def own_name():
+        with open("/proc/thread-self/comm") as comm:
+            return comm.read().strip()
+    pool = OrderedExecutor(1, "rankfs-read")
+    long_named = OrderedExecutor(1, "rankfs-a-name-longer-than")
+    try:
+        assert pool.submit(("", 0), own_name).result() == "rankfs-read-0"
+        assert long_named.submit(("", 0), own_name).result() == "rankfs-a-name-l"
+    finally:
+        pool.shutdown()
+        long_named.shutdown()
+
+
 def test_queued_reads_run_in_the_loaders_order():
     pool = OrderedExecutor(1, "test")
     gate, ran = threading.Event(), []

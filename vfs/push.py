@@ -40,6 +40,7 @@ from rankfs.reader.buffers import Backing
 from rankfs.reader.chunks import Chunk
 from rankfs.reader.engine import ReadEngine
 from rankfs.common.disk import PAGE
+from rankfs.common.threads import start_thread
 from rankfs.common.trace import timed
 from rankfs.vfs.tree import Content
 
@@ -92,10 +93,7 @@ class PushThreads:
         self._lock = threading.Condition()  # over both lists and `_stopped`; re-entrant
         self._stopped = False
         self._stored_send, self._stored = trio.open_memory_channel(math.inf)
-        self._threads = [threading.Thread(target=self._push_offers, name=f"rankfs-push-{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        self._threads = [start_thread(self._push_offers, f"rankfs-push-{i}") for i in range(threads)]
 
     async def hand_offers(self):
         """Queue each offered chunk still worth pushing, with the pages to push and their backing."""

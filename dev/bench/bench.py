@@ -202,7 +202,8 @@ class Bench:
         if mountpoint is not None:
             left += cached_bytes(mountpoint.rglob("*.safetensors"))
         if record is not None and record.exists():
-            record.with_suffix(".summary.txt").write_text(profile.summarize(record) + "\n")
+            summary = profile.summarize(record, mode=self.config.profile_mode)
+            record.with_suffix(".summary.txt").write_text(summary + "\n")
         result.update(case=self.case_name, path=row.label, mode=mode, cached_after=left,
                       through_view=mountpoint is not None)
         if mountpoint is not None:
@@ -370,7 +371,8 @@ def parser() -> argparse.ArgumentParser:
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread "
                         "group, and a row's mount's daemon (*.daemon.txt, never paused); MODE: idle (every thread, the "
                         "default), gil (the threads holding the GIL), native (with C frames; pauses the process at "
-                        "each sample)")
+                        "each sample), threads (without py-spy: each thread's state and system call from /proc, "
+                        "waits for the GIL told apart; dev.bench.thread_states)")
     p.add_argument("--trace", action="store_true",
                    help="trace the daemon of each row through a view (rankfs mount --trace), and the hook "
                         "(RANKFS_HOOK_TRACE): OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace_summary)")

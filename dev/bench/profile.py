@@ -4,6 +4,8 @@ threads, the main thread) into the frames they sat in most.
 
     python3 -m dev bench ... --profile [MODE] # a py-spy record and a summary per load row (and its mount's daemon)
     python3 -m dev.bench.profile RAW [N]      # the summary of a record (py-spy's raw format)
+
+`--profile threads` samples the kernel's view of the load's threads instead (dev.bench.thread_states).
 """
 
 from __future__ import annotations
@@ -16,17 +18,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dev.bench import thread_states
+
 FRAME_DEPTH = 3  # innermost frames shown per sample: enough to tell a wait from a read
 
 
 # What a record samples: every thread, waits included; only the threads holding the GIL (who makes
-# the others wait); or every thread with its C frames (numpy's copies, the kernel calls), which
-# needs the process paused at each sample.
-MODES = {"idle": ["--idle", "--nonblocking"], "gil": ["--gil", "--nonblocking"], "native": ["--idle", "--native"]}
+# the others wait); every thread with its C frames (numpy's copies, the kernel calls), which needs
+# the process paused at each sample; or, without py-spy, each thread's state and system call.
+MODES = {"idle": ["--idle", "--nonblocking"], "gil": ["--gil", "--nonblocking"], "native": ["--idle", "--native"],
+         "threads": []}
 
 
 def command(record: Path, mode: str = "idle") -> list[str] | None:
-    """The py-spy prefix that records a command into `record` (a mode of MODES); None without py-spy."""
+    """The prefix that records a command into `record` (a mode of MODES); None where py-spy is
+    wanted and missing."""
+    if mode == "threads":
+        return thread_states.command(record)
     spy = shutil.which("py-spy")
     if spy is None:
         return None
@@ -64,7 +72,9 @@ def _frame(frame: str) -> str:
     return re.sub(r" \((?:.*/)?([^/]*:\d+)\)", r" (\1)", frame)
 
 
-def summarize(record: Path, top: int = 8) -> str:
+def summarize(record: Path, top: int = 8, mode: str = "idle") -> str:
+    if mode == "threads":
+        return thread_states.summarize(record)
     groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in record.read_text().splitlines():
         stack, _, count = line.rpartition(" ")

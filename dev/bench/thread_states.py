@@ -1,0 +1,118 @@
+"""What a load's threads are doing, as the kernel sees them: each thread's state, system call and
+the futex it waits on, sampled from /proc every few milliseconds for the life of a command, summed
+per thread group (the name without the pool's index: rankfs' threads are named in the kernel). A
+futex that threads of several groups, and most of the process's threads, wait on is the GIL's: the
+share of a thread's samples waiting there is what the GIL costs it, which py-spy does not show.
+
+    python3 -m dev bench ... --profile threads          # a record and a summary per load row
+    python3 -m dev.bench.thread_states --record R -- COMMAND ...
+    python3 -m dev.bench.thread_states R                # the summary of a record
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+INTERVAL = 0.002  # seconds between samples: hundreds over a one-second load
+SYSCALLS = {"0": "read", "1": "write", "7": "poll", "9": "mmap", "11": "munmap", "16": "ioctl",
+            "17": "pread64", "28": "madvise", "35": "nanosleep", "202": "futex", "217": "getdents64", "232": "epoll_wait",
+            "295": "preadv", "327": "preadv2", "426": "io_uring_enter"}
+
+
+def command(record: Path) -> list[str]:
+    """The prefix that runs a command under the sampler, into `record`."""
+    return [sys.executable, "-m", "dev.bench.thread_states", "--record", str(record), "--"]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # the thread has ended
+        return ""
+
+
+def sample(pid: int) -> list[tuple[str, str, str]]:
+    """(thread name, state, what it does) for each thread of `pid`: `running`, a system call's
+    name, or `futex@ADDRESS` for a futex wait."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tids:
+        base = f"/proc/{pid}/task/{tid}"
+        stat, call = _read(f"{base}/stat"), _read(f"{base}/syscall").split()
+        if not stat or not call:
+            continue
+        state = stat.rsplit(")", 1)[1].split()[0]
+        # /proc says "running" for a thread in user space, -1 for one in the kernel outside a system call.
+        doing = {"running": "running", "-1": "a page fault"}.get(call[0]) \
+            or SYSCALLS.get(call[0], f"syscall {call[0]}")
+        if doing == "futex" and len(call) > 1:
+            doing = f"futex@{call[1]}"
+        found.append((_read(f"{base}/comm").strip(), tid, state, doing))
+    return found
+
+
+def record_command(argv: list[str], record: Path) -> int:
+    """Run argv, sampling its threads until it exits; the record: per (thread, state, doing), how
+    many samples. Returns its exit status."""
+    child = subprocess.Popen(argv)
+    counts: collections.Counter = collections.Counter()
+    while child.poll() is None:
+        for name, tid, state, doing in sample(child.pid):
+            counts[f"{name}\t{tid}\t{state}\t{doing}"] += 1
+        time.sleep(INTERVAL)
+    record.write_text(json.dumps(counts))
+    return child.returncode
+
+
+def _group(name: str) -> str:
+    return re.sub(r"[-_ ]?\d+$", "", name) or "?"
+
+
+def summarize(record: Path) -> str:
+    rows = [(*key.split("\t"), n) for key, n in json.loads(record.read_text()).items()]
+    threads = {(name, tid) for name, tid, *_ in rows}
+    waiters = collections.defaultdict(set)
+    for name, tid, _, doing, _ in rows:
+        if doing.startswith("futex@"):
+            waiters[doing].add((_group(name), tid))
+    gil = {f for f, who in waiters.items()
+           if len({g for g, _ in who}) >= 2 and len(who) * 2 >= len(threads)}
+    groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for name, _, state, doing, n in rows:
+        what = ("on a CPU" if state == "R" or doing == "running" else "waiting for the GIL" if doing in gil
+                else "waiting on another futex" if doing.startswith("futex@")
+                else f"in {doing} ({'disk' if state == 'D' else 'asleep'})")
+        groups[_group(name)][what] += n
+    lines = [f"{len(threads)} threads; futexes taken for the GIL's: {len(gil)}"]
+    for group, whats in sorted(groups.items(), key=lambda g: -sum(g[1].values())):
+        total = sum(whats.values())
+        lines.append(f"{group}: {total} samples")
+        lines += [f"  {100 * n / total:5.1f}%  {what}" for what, n in whats.most_common(6)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv:
+        print(summarize(Path(argv[0])))
+        return 0
+    split = argv.index("--")
+    p = argparse.ArgumentParser(prog="python3 -m dev.bench.thread_states")
+    p.add_argument("--record", type=Path, required=True)
+    args = p.parse_args(argv[:split])
+    return record_command(argv[split + 1:], args.record)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
