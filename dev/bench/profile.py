@@ -63,11 +63,6 @@ def detach(recorder: subprocess.Popen | None, record: Path):
         record.with_suffix(".summary.txt").write_text(summarize(record) + "\n")
 
 
-def _group(thread: str) -> str:
-    """A thread's group: its name without the pool's index (rankfs-read-3 -> rankfs-read)."""
-    return re.sub(r"[-_ ]?\d+$", "", thread.split(": ", 1)[-1])
-
-
 def _frame(frame: str) -> str:
     return re.sub(r" \((?:.*/)?([^/]*:\d+)\)", r" (\1)", frame)
 
@@ -81,7 +76,8 @@ def summarize(record: Path, top: int = 8, mode: str = "idle") -> str:
         if not stack or not count.isdigit():
             continue
         thread, *frames = stack.split(";")
-        groups[_group(thread)][" < ".join(_frame(f) for f in frames[::-1][:FRAME_DEPTH])] += int(count)
+        where = " < ".join(_frame(f) for f in frames[::-1][:FRAME_DEPTH])
+        groups[thread_states.group(thread.split(": ", 1)[-1])][where] += int(count)
     lines = []
     for group, frames in sorted(groups.items(), key=lambda g: -sum(g[1].values())):
         total = sum(frames.values())

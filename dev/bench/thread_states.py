@@ -26,8 +26,8 @@ from pathlib import Path
 INTERVAL = 0.002  # seconds between samples: hundreds over a one-second load
 _PR_SET_PDEATHSIG = 1
 SYSCALLS = {"0": "read", "1": "write", "7": "poll", "9": "mmap", "11": "munmap", "16": "ioctl",
-            "17": "pread64", "28": "madvise", "35": "nanosleep", "202": "futex", "217": "getdents64", "232": "epoll_wait",
-            "295": "preadv", "327": "preadv2", "426": "io_uring_enter"}
+            "17": "pread64", "28": "madvise", "35": "nanosleep", "202": "futex", "217": "getdents64",
+            "232": "epoll_wait", "295": "preadv", "327": "preadv2", "426": "io_uring_enter"}
 
 
 def command(record: Path) -> list[str]:
@@ -43,9 +43,9 @@ def _read(path: str) -> str:
         return ""
 
 
-def sample(pid: int) -> list[tuple[str, str, str]]:
-    """(thread name, state, what it does) for each thread of `pid`: `running`, a system call's
-    name, or `futex@ADDRESS` for a futex wait."""
+def sample(pid: int) -> list[tuple[str, str, str, str]]:
+    """(thread name, thread id, state, what it does) for each thread of `pid`: `running`, a
+    system call's name, or `futex@ADDRESS` for a futex wait."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -84,7 +84,8 @@ def _die_with_parent():
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _group(name: str) -> str:
+def group(name: str) -> str:
+    """A thread's group: its name without the pool's index (rankfs-read-3 -> rankfs-read)."""
     return re.sub(r"[-_ ]?\d+$", "", name) or "?"
 
 
@@ -94,7 +95,7 @@ def summarize(record: Path) -> str:
     waiters = collections.defaultdict(set)
     for name, tid, _, doing, _ in rows:
         if doing.startswith("futex@"):
-            waiters[doing].add((_group(name), tid))
+            waiters[doing].add((group(name), tid))
     gil = {f for f, who in waiters.items()
            if len({g for g, _ in who}) >= 2 and len(who) * 2 >= len(threads)}
     groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -102,11 +103,11 @@ def summarize(record: Path) -> str:
         what = ("on a CPU" if state == "R" or doing == "running" else "waiting for the GIL" if doing in gil
                 else "waiting on another futex" if doing.startswith("futex@")
                 else f"in {doing} ({'disk' if state == 'D' else 'asleep'})")
-        groups[_group(name)][what] += n
+        groups[group(name)][what] += n
     lines = [f"{len(threads)} threads; futexes taken for the GIL's: {len(gil)}"]
-    for group, whats in sorted(groups.items(), key=lambda g: -sum(g[1].values())):
+    for kind, whats in sorted(groups.items(), key=lambda g: -sum(g[1].values())):
         total = sum(whats.values())
-        lines.append(f"{group}: {total} samples")
+        lines.append(f"{kind}: {total} samples")
         lines += [f"  {100 * n / total:5.1f}%  {what}" for what, n in whats.most_common(6)]
     return "\n".join(lines)
 
