@@ -12,7 +12,8 @@ Every load runs the same engine-like loader (SGLang's buffered iterator, FusedMo
 threads into preallocated parameters on --device), fed by the path's source:
 
     limit            16 threads of exact preads of the rank's bytes (+ H2D on CUDA): the storage's best;
-                     and the same bytes pushed into FUSE files' page cache: the view's ceiling
+                     and the same bytes pushed into FUSE files' page cache (read direct first where
+                     the page cache does not hold them, as the daemon does): the view's ceiling
     engine ceiling   tensors staged in page-locked memory before the clock: the engine's own cost
     stock            safe_open (mmap) of the original shards
     ep-filter        the same, skipping other EP ranks' expert weights by vLLM's own weight filter

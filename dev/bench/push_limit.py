@@ -1,10 +1,11 @@
 """The view's ceiling on this host: how fast the kernel takes pushes (`notify_store`) into the page
 cache of FUSE files when pushing is all a daemon does. The rank's bytes, as `rank_ranges` lists
-them, are pushed from the daemon's own maps of their sources (`reader.mapped`): one virtual
-file per source holding the rank's ranges of it, 16 threads (twice the cores where that is fewer),
-8 MiB pieces taken from every file in turn (on the GPU host one file's page cache stopped near
-6-7 GB/s, several took 20+ GB/s). Cold, the maps read the disk first. Run by `dev.bench.paths push`,
-which mounts the files at `mountpoint` for the run.
+them, are pushed as the daemon pushes them: from maps of their sources where the page cache holds
+them (`reader.source_maps`), else read direct (O_DIRECT) into a buffer first; one virtual file per
+source holding the rank's ranges of it, 16 threads (twice the cores where that is fewer), 8 MiB
+pieces taken from every file in turn (on the GPU host one file's page cache stopped near 6-7 GB/s,
+several took 20+ GB/s). Run by `dev.bench.paths push`, which mounts the files at `mountpoint` for
+the run.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import errno
 import itertools
 import os
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pyfuse3
 import trio
 
 from dev.bench.engine_like import Progress
-from rankfs.common.disk import open_for_exact_reads
+from rankfs.common.disk import PAGE, OpenFile, anonymous_map
 from rankfs.reader.source_maps import MappedSources
 
 PIECE_BYTES = 8 << 20
@@ -81,28 +83,42 @@ def push_pieces(ranges: list[tuple[str, int, int]]) -> tuple[list[int], list[tup
 
 def _push_all(mountpoint: str, sizes: list[int], pieces: list[tuple], timed) -> dict:
     """Runs in a thread beside the FUSE loop: opens the files (the kernel must know them before a
-    push), then pushes every piece from THREADS threads out of the daemon's own maps of the sources
-    (reader.mapped), timed by `timed` (the benchmark's clock, dev.bench.paths)."""
+    push), then pushes every piece from THREADS threads, timed by `timed` (the benchmark's clock,
+    dev.bench.paths): a piece the page cache holds from a map of its source, as the daemon
+    serves it; one it does not read direct into the thread's buffer first (faulted in through a
+    map it would cost the CPU a page cache fill too, which the daemon's cold reads do not). Adds
+    the bytes read direct to the figures."""
     handles = [os.open(os.path.join(mountpoint, str(i)), os.O_RDONLY) for i in range(len(sizes))]
     paths = [path for _, path in sorted({index: path for index, _, path, _, _ in pieces}.items())]
-    fds = [open_for_exact_reads(path) for path in paths]
-    maps = MappedSources(paths, fds.__getitem__)
+    sources = [OpenFile(path) for path in paths]
+    maps = MappedSources(paths, lambda index: sources[index].fd)
     progress = Progress()
+    buffers = threading.local()
 
     def push(piece):
-        index, at, _, offset, length = piece
-        pyfuse3.notify_store(PushedFiles.inode(index), at, maps.view(index, offset, offset + length))
-        maps.unmap(index, offset, offset + length)
+        index, at, path, offset, length = piece
+        source = sources[index]
+        if source.cached(offset, offset + length):
+            pyfuse3.notify_store(PushedFiles.inode(index), at, maps.view(index, offset, offset + length))
+            maps.unmap(index, offset, offset + length)
+        else:
+            if not hasattr(buffers, "memory"):
+                buffers.memory = memoryview(anonymous_map(PIECE_BYTES + 2 * PAGE))
+            skip = offset % PAGE
+            source.read_whole(buffers.memory, skip, offset, length, path)
+            pyfuse3.notify_store(PushedFiles.inode(index), at, buffers.memory[skip:skip + length])
         progress.add(length)
 
     def work():
         with ThreadPoolExecutor(THREADS) as pool:
             list(pool.map(push, pieces))
     try:
-        return timed(work, progress)
+        return {**timed(work, progress), "direct_read_bytes": sum(source.direct_read_bytes for source in sources)}
     finally:
-        for fd in handles + fds:
+        for fd in handles:
             os.close(fd)
+        for source in sources:
+            source.close()
 
 
 def run_push(args: dict, timed) -> dict:
