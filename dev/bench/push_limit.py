@@ -3,9 +3,8 @@ cache of FUSE files when pushing is all a daemon does. The rank's bytes, as `ran
 them, are pushed as the daemon pushes them: from maps of their sources where the page cache holds
 them (`reader.source_maps`), else read direct (O_DIRECT) into a buffer first; one virtual file per
 source holding the rank's ranges of it, 16 threads (twice the cores where that is fewer), 8 MiB
-pieces taken from every file in turn (on the GPU host one file's page cache stopped near 6-7 GB/s,
-several took 20+ GB/s). Run by `dev.bench.paths push`, which mounts the files at `mountpoint` for
-the run.
+pieces taken from every file in turn (one file's page cache takes pushes more slowly than several
+do). Run by `dev.bench.paths push`, which mounts the files at `mountpoint` for the run.
 """
 
 from __future__ import annotations
