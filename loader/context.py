@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -22,14 +23,25 @@ class LoadOrder:
     """The loaders take files in name order, several open at once: the files being opened (a path
     twice where two threads open it), those with tensors not yet handed out (`consuming`), and
     those with a slab alive (`holding`). `wake` tells the read threads what they may admit has
-    changed."""
+    changed. `loader_keeps`: the loader keeps what it was handed (`progressed`)."""
 
     def __init__(self, wake: Callable[[], None]):
         self.wake = wake
         self.opening: list[str] = []
         self.consuming: set = set()
         self.holding: set = set()
+        self.loader_keeps = False
+        self._progressed_at = time.monotonic()
         self._lock = threading.Lock()
+
+    def progressed(self):
+        """A slab died or a group was staged. A loader that waits while neither happens for a while
+        keeps every tensor it was handed (a state dict of the whole view): the slabs it holds will
+        never give the budget back (rankfs.loader.staged)."""
+        self._progressed_at = time.monotonic()
+
+    def stalled_for(self, seconds: float) -> bool:
+        return time.monotonic() - self._progressed_at >= seconds
 
     def begin_open(self, path: str):
         with self._lock:

@@ -23,7 +23,9 @@ Reads ahead are admitted in the loaders' order while the budget has room. The fi
 consumes now goes beyond it only when files before it hold one slab at most (the loader takes a
 file's tensors all at once before it copies any, and files read ahead wait for this one, so nothing
 would free room): the memory handed out stays within the budget plus a slab, plus that file where it
-is larger than the budget.
+is larger than the budget. A loader that keeps everything it was handed (a state dict of the whole
+view) would hold the budget for good: once it has waited with no slab freed and no group staged,
+each group it asks for goes past the budget, as the stock reader's maps would hold those bytes.
 
 Here: a file's groups planned, admitted and handed out. A group's slab laid out:
 rankfs.loader.packing; its reads and copies as the read threads' jobs: rankfs.loader.jobs; where
@@ -32,12 +34,15 @@ they land: rankfs.loader.landing."""
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from rankfs.common.contract import GIB
 from rankfs.loader.context import StagingContext
 from rankfs.loader.files import RankfsFile
 from rankfs.loader.jobs import Copy, all_cached, batches, cached_jobs, cpu_work, read_rows, read_run
@@ -45,7 +50,12 @@ from rankfs.loader.landing import DeviceLanding, HostLanding
 from rankfs.loader.packing import Span, Staging, join_touching, lay_out
 from rankfs.loader.slabs import Slab
 
+log = logging.getLogger("rankfs.hook")
+
 WINDOW_SHARE = 32  # a window holds a 32nd of a slab at least: 8 MiB of the default 256
+# Seconds a loader waits for a group held back by the budget, with no slab dying and no group staged,
+# before it is taken to keep what it was handed: a loader that copies frees a slab in milliseconds.
+STALL_SECONDS = 2.0
 
 
 def contiguous_strides(shape: list[int]) -> list[int]:
@@ -82,10 +92,10 @@ class StagedFile(RankfsFile):
         future = self._futures[group] or self._submit(group)
         if self._load_context.trace.on and not future.done():  # traced: nothing more on each hand-out otherwise
             began = time.monotonic()
-            placed = future.result()
+            placed = self._wait(future, group)
             self._load_context.trace.event("wait", path=self.path, group=group, began=began)
         else:
-            placed = future.result()
+            placed = self._wait(future, group)
         self._handed[group].add(name)
         if len(self._handed[group]) == len(self.groups[group]):  # slabs live exactly as long as their tensors
             self._futures[group] = None
@@ -108,6 +118,25 @@ class StagedFile(RankfsFile):
         if not any(staging.windows for staging in self._stagings):  # else at the release: windows map pages
             self._files.link.consumed(self.path)  # every group is read: its sources' pages are no longer wanted
         super().close()
+
+    def _wait(self, future: Future, group: int) -> dict[str, tuple[Slab, int]]:
+        """A group's placement, once staged. A loader that keeps every tensor it was handed (a state
+        dict of the whole view) holds the budget for good: where its group has not started after
+        STALL_SECONDS in which no slab died and no group was staged, the groups it waits for go past
+        the budget from then on, as the stock reader's maps would hold those bytes too."""
+        order, budget = self._load_context.order, self._load_context.budget
+        while True:
+            try:
+                return future.result(timeout=STALL_SECONDS)
+            except FutureTimeout:
+                if (future.running() or order.loader_keeps or budget.fits(self._costs[group])
+                        or not order.stalled_for(STALL_SECONDS)):
+                    continue
+                order.loader_keeps = True
+                log.warning("rankfs hook: %s: the loader keeps the tensors it was handed (%.2f GiB; the budget, "
+                            "RANKFS_HOOK_INFLIGHT_GB, is %.2f): each group it asks for is read past the budget",
+                            self.path, budget.used / GIB, budget.limit / GIB)
+                order.wake()
 
     def _done_handing_out(self):
         if self.handing_out:
@@ -155,9 +184,11 @@ class StagedFile(RankfsFile):
     def _must_exceed_budget(self, group: int) -> bool:
         """The loader waits for this group of the file it consumes now, and files before it hold one
         slab at most: nothing else will free room (files after it, read ahead, wait for this one;
-        the loader's loop keeps the last tensor it took, and its slab, until it gets the next)."""
-        return (group in self._demanded and self._load_context.order.consumed_now() is self
-                and sum(f.slabs_alive for f in list(self._load_context.order.holding) if f.path < self.path) <= 1)
+        the loader's loop keeps the last tensor it took, and its slab, until it gets the next); or
+        the loader keeps all it was handed (`_wait`)."""
+        order = self._load_context.order
+        return (group in self._demanded and order.consumed_now() is self
+                and (order.loader_keeps or sum(f.slabs_alive for f in list(order.holding) if f.path < self.path) <= 1))
 
     def _load(self, group: int, asked: float) -> dict[str, tuple[Slab, int]]:
         """Runs in a hook thread, its cost reserved: stage one group, every free read thread
@@ -190,6 +221,7 @@ class StagedFile(RankfsFile):
             raise
         if landing is not None:
             landing.filled()
+        self._load_context.order.progressed()
         self._load_context.trace.event("group", path=self.path, group=group, bytes=self._group_spans[group], asked=asked,
                                began=began, ended=time.monotonic(), thread=threading.current_thread().name)
         return placed
@@ -233,6 +265,7 @@ class StagedFile(RankfsFile):
             self._load_context.order.holding.add(self)
 
     def _slab_died(self):
+        self._load_context.order.progressed()
         with self._lock:
             self.slabs_alive -= 1
             if not self.slabs_alive:

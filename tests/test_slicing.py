@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import gc
 import os
+import threading
 
 import pytest
 import safetensors
@@ -314,6 +315,46 @@ def test_staged_slabs_stay_within_the_budget_or_one_file_larger_than_it(tiny_che
             del got
             figures = loader.release("target")
             assert figures["slabs_alive"] == 0 and hook.budget.used == 0
+    finally:
+        loader.deactivate()
+
+
+@pytest.mark.mount
+def test_a_loader_that_keeps_every_tensor_it_is_handed_is_served_past_the_budget(tiny_checkpoint, mount_dir,
+                                                                                  monkeypatch, caplog):
+    """A state dict of the whole view (every tensor of every file kept, as a loop of `load_file`
+    builds one) holds the budget for good, where an engine's loader copies and lets go: once the
+    loader has waited with no slab freed and no group staged, each group it asks for is read past
+    the budget, said once, and the load completes bitwise instead of waiting forever."""
+    monkeypatch.setenv("RANKFS_HOOK_MAP", "off")
+    monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
+    monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", str(2 / 1024))
+    sources = {}
+    for path in shard_files(tiny_checkpoint):
+        with safetensors.safe_open(path, framework="pt") as f:
+            sources.update((name, f.get_tensor(name).clone()) for name in f.keys())
+    loader.activate("on")
+    try:
+        with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--ep-size", 2):
+            kept, names = {}, set()
+
+            def keep_all():
+                for path in shard_files(mount_dir / "target"):
+                    names.update(read_header(path).tensors)
+                    with safetensors.safe_open(path, framework="pt") as f:
+                        kept.update((name, f.get_tensor(name)) for name in f.keys())
+            loading = threading.Thread(target=keep_all, daemon=True)
+            loading.start()
+            loading.join(120)  # a guard, not a measure: the broken hook waits forever
+            assert not loading.is_alive(), "the loader still waits for a group held back by the budget"
+            hook = loader.current()
+            assert hook.order.loader_keeps and hook.budget.peak > hook.budget.limit
+            assert_same(kept, {name: sources[name] for name in names})
+            said = [r for r in caplog.records if "keeps the tensors it was handed" in r.getMessage()]
+            assert len(said) == 1 and "RANKFS_HOOK_INFLIGHT_GB" in said[0].getMessage()
+            del kept
+            figures = loader.release("target")
+            assert figures["slabs_alive"] == 0 and hook.budget.used == 0 and not hook.order.loader_keeps
     finally:
         loader.deactivate()
 
