@@ -23,21 +23,23 @@ class LoadOrder:
     """The loaders take files in name order, several open at once: the files being opened (a path
     twice where two threads open it), those with tensors not yet handed out (`consuming`), and
     those with a slab alive (`holding`). `wake` tells the read threads what they may admit has
-    changed. `loader_keeps`: the loader keeps what it was handed (`progressed`)."""
+    changed. `stalled`: the loader once waited for a group the budget held back while nothing freed
+    room (`progressed`)."""
 
     def __init__(self, wake: Callable[[], None]):
         self.wake = wake
         self.opening: list[str] = []
         self.consuming: set = set()
         self.holding: set = set()
-        self.loader_keeps = False
+        self.stalled = False
         self._progressed_at = time.monotonic()
         self._lock = threading.Lock()
 
     def progressed(self):
         """A slab died or a group was staged. A loader that waits while neither happens for a while
-        keeps every tensor it was handed (a state dict of the whole view): the slabs it holds will
-        never give the budget back (rankfs.loader.staged)."""
+        keeps the tensors it was handed (a state dict of the whole view), or takes files out of
+        order (groups read ahead of files it has not reached hold the budget): nothing it does will
+        give the budget back (rankfs.loader.staged)."""
         self._progressed_at = time.monotonic()
 
     def stalled_for(self, seconds: float) -> bool:

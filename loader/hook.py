@@ -232,7 +232,7 @@ class Hook:
         with self._lock:
             executors, self.executor, self.map_executor = (self.executor, self.map_executor), None, None
             collector_was_on, self._collector_was_on = self._collector_was_on, None
-            self.order.loader_keeps = False  # the next load's loader copies, until it shows otherwise
+            self.order.stalled = False  # the next load's loader may well take files in order and copy
         for executor in executors:
             if executor is not None:
                 executor.shutdown()

@@ -159,10 +159,11 @@ class OrderedExecutor:
     def _admissible(self, sooner_than: tuple | None = None) -> _Job | None:
         """The next job to run, its cost reserved: the first costless one, or the first costly one
         if it is not held and the budget has room for it or it is urgent (called holding the
-        lock). Costly jobs after the first held back wait too: admission follows the loaders'
-        order. For a thread inside run_all (`sooner_than`, its group's key; () where it may start
-        none): parts of groups' reads, and other jobs only with a key before its group's (a later
-        one would hold its group's end back)."""
+        lock). Costly jobs after the first held back wait too, unless urgent: admission follows the
+        loaders' order, and a loader that takes files out of order waits for a group behind reads
+        ahead it has not reached. For a thread inside run_all (`sooner_than`, its group's key; ()
+        where it may start none): parts of groups' reads, and other jobs only with a key before its
+        group's (a later one would hold its group's end back)."""
         held_back, i = None, 0
         if sooner_than is None:
             self._held_back = False
@@ -177,7 +178,7 @@ class OrderedExecutor:
             if job.cpu and self._cpu_running >= self.cpu_threads:
                 continue
             if job.cost:
-                if held_back is not None:
+                if held_back is not None and not (job.urgent is not None and job.urgent()):
                     continue
                 over_budget = self._budget is not None and not self._budget.fits(job.cost)
                 if (self._hold is not None and self._hold(job.key)

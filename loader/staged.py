@@ -23,9 +23,9 @@ Reads ahead are admitted in the loaders' order while the budget has room. The fi
 consumes now goes beyond it only when files before it hold one slab at most (the loader takes a
 file's tensors all at once before it copies any, and files read ahead wait for this one, so nothing
 would free room): the memory handed out stays within the budget plus a slab, plus that file where it
-is larger than the budget. A loader that keeps everything it was handed (a state dict of the whole
-view) would hold the budget for good: once it has waited with no slab freed and no group staged,
-each group it asks for goes past the budget, as the stock reader's maps would hold those bytes.
+is larger than the budget. A loader that keeps what it was handed (a state dict of the whole view),
+or takes files out of order, would wait for good behind slabs it will never free: once it has
+waited with no slab freed and no group staged, each group it asks for goes past the budget.
 
 Here: a file's groups planned, admitted and handed out. A group's slab laid out:
 rankfs.loader.packing; its reads and copies as the read threads' jobs: rankfs.loader.jobs; where
@@ -120,22 +120,23 @@ class StagedFile(RankfsFile):
         super().close()
 
     def _wait(self, future: Future, group: int) -> dict[str, tuple[Slab, int]]:
-        """A group's placement, once staged. A loader that keeps every tensor it was handed (a state
-        dict of the whole view) holds the budget for good: where its group has not started after
-        STALL_SECONDS in which no slab died and no group was staged, the groups it waits for go past
-        the budget from then on, as the stock reader's maps would hold those bytes too."""
+        """A group's placement, once staged. A loader that keeps the tensors it was handed (a state
+        dict of the whole view), or takes files out of order, can wait for good behind slabs only it
+        could free: where its group has not started after STALL_SECONDS in which no slab died and no
+        group was staged, every group it waits for goes past the budget from then on."""
         order, budget = self._load_context.order, self._load_context.budget
         while True:
             try:
                 return future.result(timeout=STALL_SECONDS)
             except FutureTimeout:
-                if (future.running() or order.loader_keeps or budget.fits(self._costs[group])
+                if (future.running() or order.stalled or budget.fits(self._costs[group])
                         or not order.stalled_for(STALL_SECONDS)):
                     continue
-                order.loader_keeps = True
-                log.warning("rankfs hook: %s: the loader keeps the tensors it was handed (%.2f GiB; the budget, "
-                            "RANKFS_HOOK_INFLIGHT_GB, is %.2f): each group it asks for is read past the budget",
-                            self.path, budget.used / GIB, budget.limit / GIB)
+                order.stalled = True
+                log.warning("rankfs hook: %s: the loader waits for tensors the budget holds back while nothing "
+                            "frees room (it keeps what it was handed, or takes files out of order; %.2f GiB "
+                            "held, RANKFS_HOOK_INFLIGHT_GB is %.2f): each group it asks for is read past the "
+                            "budget from now on", self.path, budget.used / GIB, budget.limit / GIB)
                 order.wake()
 
     def _done_handing_out(self):
@@ -185,10 +186,10 @@ class StagedFile(RankfsFile):
         """The loader waits for this group of the file it consumes now, and files before it hold one
         slab at most: nothing else will free room (files after it, read ahead, wait for this one;
         the loader's loop keeps the last tensor it took, and its slab, until it gets the next); or
-        the loader keeps all it was handed (`_wait`)."""
+        the loader has stalled (`_wait`)."""
         order = self._load_context.order
-        return (group in self._demanded and order.consumed_now() is self
-                and (order.loader_keeps or sum(f.slabs_alive for f in list(order.holding) if f.path < self.path) <= 1))
+        return group in self._demanded and (order.stalled or order.consumed_now() is self and sum(
+            f.slabs_alive for f in list(order.holding) if f.path < self.path) <= 1)
 
     def _load(self, group: int, asked: float) -> dict[str, tuple[Slab, int]]:
         """Runs in a hook thread, its cost reserved: stage one group, every free read thread

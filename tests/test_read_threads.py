@@ -197,6 +197,27 @@ def test_reads_ahead_are_admitted_in_order_as_the_budget_has_room_or_when_urgent
     pool.shutdown()
 
 
+def test_a_read_the_loader_waits_for_goes_ahead_of_reads_ahead_held_back_before_it():
+    """A loader that takes files out of order waits for a group queued behind reads ahead that the
+    budget holds back: urgent, it is admitted past them, and they still wait for room."""
+    budget = Budget(1)
+    pool = OrderedExecutor(2, "test", budget)
+    ran, waited = [], threading.Event()
+    pool.submit(("a", 0), ran.append, ("a", 0), cost=1).result(timeout=10)  # fills the budget
+    ahead = pool.submit(("b", 0), ran.append, ("b", 0), cost=1)
+    wanted = pool.submit(("c", 0), ran.append, ("c", 0), cost=1, urgent=waited.is_set)
+    pool.submit(("d", 0), ran.append, ("d", 0)).result(timeout=10)  # costless: run once both were looked at
+    assert ran == [("a", 0), ("d", 0)] and not ahead.done() and not wanted.done()
+    waited.set()
+    pool.wake()
+    wanted.result(timeout=10)
+    assert not ahead.done() and budget.used == 2
+    budget.release(2)
+    ahead.result(timeout=10)
+    assert ran == [("a", 0), ("d", 0), ("c", 0), ("b", 0)]
+    pool.shutdown()
+
+
 def test_reads_ahead_wait_while_they_are_held_urgent_or_not():
     """The hook holds reads of a file while a file before it is being opened (the loader will wait
     for that one first, even where it asks for this one now): held, a costly job waits with every

@@ -319,13 +319,30 @@ def test_staged_slabs_stay_within_the_budget_or_one_file_larger_than_it(tiny_che
         loader.deactivate()
 
 
+def keep_every_tensor(files: list) -> dict:
+    """A state dict of the whole view, as a loop of `load_file` builds one."""
+    kept = {}
+    for path in files:
+        with safetensors.safe_open(path, framework="pt") as f:
+            kept.update((name, f.get_tensor(name)) for name in f.keys())
+    return kept
+
+
+def last_file_first(files: list) -> dict:
+    """Every file opened, then their tensors taken last file first, each copied and let go."""
+    handles = [safetensors.safe_open(path, framework="pt") for path in files]
+    return {name: f.get_tensor(name).clone() for f in reversed(handles) for name in f.keys()}
+
+
 @pytest.mark.mount
-def test_a_loader_that_keeps_every_tensor_it_is_handed_is_served_past_the_budget(tiny_checkpoint, mount_dir,
-                                                                                  monkeypatch, caplog):
-    """A state dict of the whole view (every tensor of every file kept, as a loop of `load_file`
-    builds one) holds the budget for good, where an engine's loader copies and lets go: once the
-    loader has waited with no slab freed and no group staged, each group it asks for is read past
-    the budget, said once, and the load completes bitwise instead of waiting forever."""
+@pytest.mark.parametrize("take", [keep_every_tensor, last_file_first], ids=["keeps-all", "out-of-order"])
+def test_a_loader_that_waits_on_slabs_only_it_could_free_is_served_past_the_budget(tiny_checkpoint, mount_dir,
+                                                                                   monkeypatch, caplog, take):
+    """An engine's loader takes files in order and lets each tensor go once copied. One that keeps
+    what it was handed, or reads files out of order (the budget then holds groups read ahead of
+    files it has not reached), would wait for good: once it has waited with no slab freed and no
+    group staged, each group it asks for is read past the budget, said once, and the load
+    completes bitwise."""
     monkeypatch.setenv("RANKFS_HOOK_MAP", "off")
     monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
     monkeypatch.setenv("RANKFS_HOOK_INFLIGHT_GB", str(2 / 1024))
@@ -336,25 +353,21 @@ def test_a_loader_that_keeps_every_tensor_it_is_handed_is_served_past_the_budget
     loader.activate("on")
     try:
         with mounted(tiny_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--ep-size", 2):
-            kept, names = {}, set()
-
-            def keep_all():
-                for path in shard_files(mount_dir / "target"):
-                    names.update(read_header(path).tensors)
-                    with safetensors.safe_open(path, framework="pt") as f:
-                        kept.update((name, f.get_tensor(name)) for name in f.keys())
-            loading = threading.Thread(target=keep_all, daemon=True)
+            files = shard_files(mount_dir / "target")
+            names = {name for path in files for name in read_header(path).tensors}
+            got = {}
+            loading = threading.Thread(target=lambda: got.update(take(files)), daemon=True)
             loading.start()
-            loading.join(120)  # a guard, not a measure: the broken hook waits forever
+            loading.join(120)  # a guard, not a measure: without the rule the loader waits forever
             assert not loading.is_alive(), "the loader still waits for a group held back by the budget"
             hook = loader.current()
-            assert hook.order.loader_keeps and hook.budget.peak > hook.budget.limit
-            assert_same(kept, {name: sources[name] for name in names})
-            said = [r for r in caplog.records if "keeps the tensors it was handed" in r.getMessage()]
-            assert len(said) == 1 and "RANKFS_HOOK_INFLIGHT_GB" in said[0].getMessage()
-            del kept
+            assert hook.order.stalled and hook.budget.peak > hook.budget.limit
+            assert_same(got, {name: sources[name] for name in names})
+            said = [r.getMessage() for r in caplog.records if "nothing frees room" in r.getMessage()]
+            assert len(said) == 1 and "RANKFS_HOOK_INFLIGHT_GB" in said[0]
+            del got
             figures = loader.release("target")
-            assert figures["slabs_alive"] == 0 and hook.budget.used == 0 and not hook.order.loader_keeps
+            assert figures["slabs_alive"] == 0 and hook.budget.used == 0 and not hook.order.stalled
     finally:
         loader.deactivate()
 
