@@ -54,7 +54,7 @@ log = logging.getLogger("rankfs.hook")
 
 WINDOW_SHARE = 32  # a window holds a 32nd of a slab at least: 8 MiB of the default 256
 # Seconds a loader waits for a group held back by the budget, with no slab dying and no group staged,
-# before it is taken to keep what it was handed: a loader that copies frees a slab in milliseconds.
+# before it is taken to wait on slabs only it could free: one that copies frees a slab in milliseconds.
 STALL_SECONDS = 2.0
 
 
