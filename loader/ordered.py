@@ -74,6 +74,7 @@ class OrderedExecutor:
         self._budget = budget
         self.cpu_threads = cpu_threads or max(1, threads // 2)
         self._cpu_running = 0
+        self._running = 0
         if budget is not None:
             budget.on_release(self.wake)
         self._threads = [start_thread(self._work, f"{name}-{i}") for i in range(threads)]
@@ -105,6 +106,11 @@ class OrderedExecutor:
         """Whether reads ahead wait in the queue (more slabs will be wanted)."""
         with self._ready:
             return any(job.cost and not job.future.cancelled() for job in self._queue)
+
+    def busy(self) -> bool:
+        """Whether some job is running: a read in flight, however slow the disk."""
+        with self._ready:
+            return self._running > 0
 
     def wake(self):
         """The budget or a job's urgency has changed: if a job was held back, one thread looks at
@@ -189,6 +195,7 @@ class OrderedExecutor:
                 if self._budget is not None:
                     self._budget.reserve(job.cost)
             self._cpu_running += job.cpu
+            self._running += 1
             return self._queue.pop(i - 1)
         return None
 
@@ -220,8 +227,9 @@ class OrderedExecutor:
             if not job.run() and job.cost and self._budget is not None:
                 self._budget.release(job.cost)
         finally:
-            if job.cpu:
-                with self._ready:
+            with self._ready:
+                self._running -= 1
+                if job.cpu:
                     self._cpu_running -= 1
                     self._ready.notify()  # a CPU-work part may have waited for this one
 

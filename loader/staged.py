@@ -123,14 +123,15 @@ class StagedFile(RankfsFile):
         """A group's placement, once staged. A loader that keeps the tensors it was handed (a state
         dict of the whole view), or takes files out of order, can wait for good behind slabs only it
         could free: where its group has not started after STALL_SECONDS in which no slab died and no
-        group was staged, every group it waits for goes past the budget from then on."""
+        group was staged, and no read is in flight (a slow disk's would stage one), every group it
+        waits for goes past the budget from then on."""
         order, budget = self._load_context.order, self._load_context.budget
         while True:
             try:
                 return future.result(timeout=STALL_SECONDS)
             except FutureTimeout:
                 if (future.running() or order.stalled or budget.fits(self._costs[group])
-                        or not order.stalled_for(STALL_SECONDS)):
+                        or not order.stalled_for(STALL_SECONDS) or self._load_context.executor.busy()):
                     continue
                 order.stalled = True
                 log.warning("rankfs hook: %s: the loader waits for tensors the budget holds back while nothing "

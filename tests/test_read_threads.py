@@ -53,6 +53,21 @@ def test_shutdown_cancels_what_has_not_started():
     assert running.done() and not running.cancelled() and queued.cancelled()
 
 
+def test_the_pool_says_whether_a_job_is_running():
+    """What the hook's stall rule asks before it reads past the budget: a read in flight, however
+    slow its disk, is progress to come."""
+    pool = OrderedExecutor(1, "test")
+    gate, started = threading.Event(), threading.Event()
+    assert not pool.busy()
+    running = pool.submit(0, lambda: (started.set(), gate.wait()))
+    started.wait(10)
+    assert pool.busy()
+    gate.set()
+    running.result(timeout=10)
+    pool.shutdown()
+    assert not pool.busy()
+
+
 def test_a_group_read_by_every_free_thread_completes_even_when_all_are_busy_with_groups():
     """Each thread filling a group runs its group's reads itself while free threads help: with
     every thread inside a group no read is left waiting in the queue. Errors reach the caller."""
