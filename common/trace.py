@@ -6,7 +6,8 @@ read or a push also says when the event loop asked a worker thread for it, and w
 began and ended it: what waits on threads, on the disk or the kernel, and on the loop.
 
 The hook's (RANKFS_HOOK_TRACE=FILE): when each file was opened, each group staged (asked, began,
-ended, by which read thread), and how long the loader waited for a group it asked for.
+ended, by which read thread), each bounce buffer made and taken, and how long the loader waited for
+a group it asked for.
 
 Times are the monotonic clock's, which every process on the host shares. Standard library only;
 off, each call returns at once."""

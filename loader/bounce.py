@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from rankfs.common.disk import PAGE
 from rankfs.common.threads import start_thread
+from rankfs.common.trace import Trace
 from rankfs.loader.slabs import HostBuffer
 
 log = logging.getLogger("rankfs.hook")
@@ -21,8 +23,9 @@ PIECE_BYTES = 16 << 20  # a bounce buffer: a run of a slab (rankfs.loader.packin
 class BounceBuffers:
     MAKERS = 4
 
-    def __init__(self, count: int, pin: bool):
+    def __init__(self, count: int, pin: bool, trace: Trace | None = None):
         self.pin = pin
+        self._trace = trace or Trace()
         self.nbytes = PIECE_BYTES + 2 * PAGE  # a piece, and the partial pages around it a direct read fills
         # Buffers made ahead, or for each one a maker could not make, why (its taker raises it).
         self._ready: queue.SimpleQueue[HostBuffer | BaseException] = queue.SimpleQueue()
@@ -34,6 +37,7 @@ class BounceBuffers:
 
     def _make(self, count: int):
         for made in range(count):
+            began = time.monotonic()
             try:
                 buffer = self.new(self.nbytes)
             except BaseException as exc:  # every taker waiting for this maker's share hears why
@@ -43,6 +47,7 @@ class BounceBuffers:
             with self._lock:
                 self._idle += 1
             self._ready.put(buffer)
+            self._trace.event("bounce", began=began, pinned=buffer.pinned_at is not None)
 
     def new(self, nbytes: int) -> HostBuffer:
         """A buffer, page-locked where it can be: where the kernel or the driver refuses
@@ -72,7 +77,9 @@ class BounceBuffers:
             self._left -= made_ahead
         if not made_ahead:
             return self.new(max(nbytes, self.nbytes))
+        began = time.monotonic()
         made = self._ready.get()
+        self._trace.event("bounce-taken", began=began)
         if isinstance(made, BaseException):
             raise RuntimeError(f"rankfs hook: no page-locked bounce buffer of {self.nbytes} bytes: {made}") from made
         with self._lock:

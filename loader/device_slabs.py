@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from rankfs.common.trace import Trace
 from rankfs.loader.bounce import BounceBuffers
 from rankfs.loader.slabs import Slab, SlabPool
 from rankfs.loader.staging import Staging
@@ -110,11 +111,11 @@ class DeviceSlabs:
         self._buffers: BounceBuffers | None = None
         self._lock = threading.Lock()
 
-    def prepare_bounces(self, threads: int):
+    def prepare_bounces(self, threads: int, trace: Trace | None = None):
         """A load starts: make its read threads' bounce buffers (two each) ahead."""
         with self._lock:
             if self._buffers is None:
-                self._buffers = BounceBuffers(2 * threads, pin=self.staging.pinned)
+                self._buffers = BounceBuffers(2 * threads, pin=self.staging.pinned, trace=trace)
 
     @property
     def staged_on(self) -> str:

@@ -129,7 +129,7 @@ class Hook:
                                                     cpu_threads=self.settings.cpu_work_threads(),
                                                     disk_nice=self.settings.read_nice)
                     if self.on_device is not None:
-                        self.on_device.prepare_bounces(self.settings.threads)
+                        self.on_device.prepare_bounces(self.settings.threads, self.trace)
                 context = StagingContext(self.files, self.executor, self.budget, self.slabs, self.on_device,
                                          self.trace, self.order)
         return MappedFile(path, context, placement) if mapped else StagedFile(path, context, placement)

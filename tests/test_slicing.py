@@ -508,13 +508,15 @@ def test_loads_into_host_memory_map_the_files_the_page_cache_holds_and_read_the_
 @pytest.mark.mount
 @pytest.mark.parametrize("sources", ["cached", "uncached"])
 def test_groups_staged_on_a_device_arrive_through_bounce_buffers_piece_by_piece(tiny_checkpoint, mount_dir,
-                                                                                monkeypatch, sources):
+                                                                                monkeypatch, tmp_path, sources):
     """The GPU path's data movement, with host memory standing in for the GPU's (the CUDA copies are
     checked on the GPU host by `python3 -m dev gpu-load`): runs read in pieces (direct reads where the
     page cache does not hold them, each at its place within a page) and rows of slices compacted
     into a thread's two bounce buffers in turn, each piece uploaded to its place in the group's
-    slab. The load's bytes are the stock load's; after the release nothing is held."""
+    slab. The load's bytes are the stock load's; after the release nothing is held. The trace says
+    when each bounce buffer was made and taken."""
     monkeypatch.setattr(staging, "stage_on", host_staging)
+    monkeypatch.setenv("RANKFS_HOOK_TRACE", str(tmp_path / "hook-{pid}.jsonl"))
     monkeypatch.setattr(DeviceLanding, "piece", 64 << 10)  # many pieces per run, and runs ending mid-piece
     monkeypatch.setenv("RANKFS_HOOK_SLAB_MB", "1")
     layout = engine_layout(4, 1, 1)
@@ -537,3 +539,9 @@ def test_groups_staged_on_a_device_arrive_through_bounce_buffers_piece_by_piece(
         assert hook.on_device.pool.stats.held_bytes == 0
     finally:
         loader.deactivate()
+    events = trace_summary.read_events(tmp_path / f"hook-{os.getpid()}.jsonl")
+    made = [e for e in events if e["event"] == "bounce"]
+    taken = [e for e in events if e["event"] == "bounce-taken"]
+    assert len(made) == 2 * hook.settings.threads and 0 < len(taken) <= len(made)
+    assert all(e["began"] <= e["t"] and not e["pinned"] for e in made + taken if "pinned" in e)
+    assert f"bounce buffers: {len(made)} made from " in trace_summary.summarize_hook(events)

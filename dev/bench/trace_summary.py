@@ -98,6 +98,7 @@ def summarize_hook(events: list[dict], row: dict | None = None, step: float = 0.
         f"some group was being staged; waited for a read thread {waited_for_thread} s, "
         f"staged in {_quantiles([e['ended'] - e['began'] for e in groups])} s",
         _jobs([e for e in events if e["event"] == "job"]),
+        _bounces(events, start),
         f"the loader waited for a group {len(waits)} times, {sum(e['t'] - e['began'] for e in waits):.2f} s in all: "
         f"{_quantiles([e['t'] - e['began'] for e in waits])} s",
         f"\n{'file':<40} {'opened':>7} {'took':>6} {'first read':>10} {'last staged':>11} {'GB':>5} {'waited':>7}",
@@ -127,6 +128,18 @@ def summarize_hook(events: list[dict], row: dict | None = None, step: float = 0.
         lines.append(f"{i * step:6.1f} {landed:9.2f} {mb:9.0f} {len(running):6d} "
                      f"{len({e['path'] for e in running}):5d} {waiting:7.1f}")
     return "\n".join(lines)
+
+
+def _bounces(events: list[dict], start: float) -> str:
+    """When the read threads' bounce buffers were made (GPU staging), and what waiting for them cost."""
+    made = [e for e in events if e["event"] == "bounce"]
+    taken = [e for e in events if e["event"] == "bounce-taken"]
+    if not made:
+        return "bounce buffers: none made"
+    return (f"bounce buffers: {len(made)} made from {min(e['began'] for e in made) - start:.3f} s, the last ready at "
+            f"{max(e['t'] for e in made) - start:.3f} s, each in {_quantiles([e['t'] - e['began'] for e in made])} s "
+            f"({sum(not e['pinned'] for e in made)} not page-locked); the read threads waited "
+            f"{sum(e['t'] - e['began'] for e in taken):.3f} s in all for {len(taken)}")
 
 
 def _jobs(jobs: list[dict]) -> str:
