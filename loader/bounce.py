@@ -20,13 +20,18 @@ log = logging.getLogger("rankfs.hook")
 PIECE_BYTES = 16 << 20  # a bounce buffer: a run of a slab (rankfs.loader.packing.RUN_BYTES), or rows of many slices
 
 
+def buffer_bytes() -> int:
+    """A bounce buffer's size: a piece, and the partial pages around it a direct read fills."""
+    return PIECE_BYTES + 2 * PAGE
+
+
 class BounceBuffers:
     MAKERS = 4
 
     def __init__(self, count: int, pin: bool, trace: Trace | None = None):
         self.pin = pin
         self._trace = trace or Trace()
-        self.nbytes = PIECE_BYTES + 2 * PAGE  # a piece, and the partial pages around it a direct read fills
+        self.nbytes = buffer_bytes()
         # Buffers made ahead, or for each one a maker could not make, why (its taker raises it).
         self._ready: queue.SimpleQueue[HostBuffer | BaseException] = queue.SimpleQueue()
         self._left = count  # not yet taken

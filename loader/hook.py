@@ -22,6 +22,7 @@ from rankfs.common import contract, limits
 from rankfs.common.disk import PAGE, align_down
 from rankfs.common.trace import Trace
 from rankfs.loader import memory, staging
+from rankfs.loader import bounce
 from rankfs.loader.budget import Budget
 from rankfs.loader.context import FileContext, LoadOrder, MappingContext, StagingContext
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
@@ -67,6 +68,7 @@ class Hook:
         self.files = FileContext(self.link, slab_bytes, stock_open, self.source_map, self.note_mapped)
         self.executor: OrderedExecutor | None = None  # reads into slabs
         self.map_executor: OrderedExecutor | None = None  # reads mapped tensors ahead
+        self.disk_threads = 0  # the executor's threads that only read from the disk
         self.paths: set[str] = set()  # rankfs files the current load opened
         self.releases: list[dict] = []
         self._source_maps: dict[str, mmap.mmap] = {}
@@ -124,15 +126,23 @@ class Hook:
                 context = MappingContext(self.files, self.map_executor, self.budget)
             else:
                 if self.executor is None:
+                    self.disk_threads = self._disk_threads()
                     self.executor = OrderedExecutor(self.settings.threads, "rankfs-read", self.budget,
                                                     hold=self.order.earlier_file_opening,
                                                     cpu_threads=self.settings.cpu_work_threads(),
-                                                    disk_nice=self.settings.read_nice)
+                                                    disk_nice=self.settings.read_nice,
+                                                    disk_threads=self.disk_threads)
                     if self.on_device is not None:
                         self.on_device.prepare_bounces(self.settings.threads, self.trace)
                 context = StagingContext(self.files, self.executor, self.budget, self.slabs, self.on_device,
                                          self.trace, self.order)
         return MappedFile(path, context, placement) if mapped else StagedFile(path, context, placement)
+
+    def _disk_threads(self) -> int:
+        """The read threads more that only read from the disk, each with two bounce buffers of its
+        own where groups are staged on a GPU."""
+        buffers = 0 if self.on_device is None else 2 * bounce.buffer_bytes()
+        return self.settings.disk_threads_for(buffers, limits.available_memory())
 
     def _pause_collector(self):
         """A full collection stops every thread while it walks every object the engine holds, and
@@ -285,6 +295,7 @@ class Hook:
             "peak_slab_bytes": self.budget.peak, "slabs_alive": len(leftovers),
             # What the budget and the threads were sized from (the CPU quota, the cgroup's room).
             "cores": limits.cpu_count(), "budget_bytes": self.budget.limit, "read_threads": self.settings.threads,
+            "disk_threads": self.disk_threads,
             "copy_threads": self.settings.cpu_work_threads(),
             # Host buffers (page-locked where pinned; bounce buffers too) and GPU buffers at their most,
             # idle ones included.

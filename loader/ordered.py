@@ -10,10 +10,11 @@ waits for the budget, and what waits for it is what the loader needs last.
 Parts that are CPU work (copies out of the page cache in pieces of a few MB) run on `cpu_threads`
 at most (the hook's: HookSettings.cpu_work_threads): each takes the GIL between its calls, and
 where cores are few the loader's loop, which hands out and narrows every tensor, waits behind each
-thread that wants it. Reads from the disk keep every thread (a read in flight each), and run at
-`disk_nice` from the thread's own niceness (negative: ahead of the loader's threads), which the
-thread keeps until it runs a part of another kind: a read that completes needs the CPU only to
-start the next, and where cores are few the loader's copy threads would hold the disk idle.
+thread that wants it. Reads from the disk keep every thread (a read in flight each), and the
+`disk_threads` more that run nothing else, and run at `disk_nice` from the thread's own niceness
+(negative: ahead of the loader's threads), which the thread keeps until it runs a part of another
+kind: a read that completes needs the CPU only to start the next, and where cores are few the
+loader's copy threads would hold the disk idle.
 """
 
 from __future__ import annotations
@@ -58,17 +59,21 @@ class _Job:
 
 class OrderedExecutor:
     def __init__(self, threads: int, name: str, budget: Budget | None = None,
-                 hold: Callable[[tuple], bool] | None = None, cpu_threads: int | None = None, disk_nice: int = 0):
+                 hold: Callable[[tuple], bool] | None = None, cpu_threads: int | None = None, disk_nice: int = 0,
+                 disk_threads: int = 0):
         """`hold(key)`: whether a job with a cost and that key waits for now, however much room the
         budget has and urgent or not (`wake` once that may have changed); `cpu_threads`: how many
         may run CPU-work parts at once (half of them by default); `disk_nice`: the niceness, relative
-        to the thread's own, that parts reading from the disk run at, where the process may."""
+        to the thread's own, that parts reading from the disk run at, where the process may;
+        `disk_threads`: threads more that run only parts reading from the disk."""
         self._disk_nice = disk_nice
         self._queue: list[_Job] = []  # sorted, lowest key first
         self._hold = hold
         self._chores: list[Callable[[], None]] = []  # run when no job can
         self._sequence = itertools.count()
-        self._ready = threading.Condition()
+        lock = threading.Lock()
+        self._ready = threading.Condition(lock)  # the threads that run any job
+        self._disk_ready = threading.Condition(lock)  # those that run parts reading from the disk only
         self._closed = False
         self._held_back = False  # the last look at the queue left a costly job waiting for room
         self._budget = budget
@@ -78,6 +83,7 @@ class OrderedExecutor:
         if budget is not None:
             budget.on_release(self.wake)
         self._threads = [start_thread(self._work, f"{name}-{i}") for i in range(threads)]
+        self._threads += [start_thread(self._work, f"{name}-d{i}", True) for i in range(disk_threads)]
 
     def submit(self, key, fn, *args, cost: int = 0, urgent: Callable[[], bool] | None = None) -> Future:
         """Run fn(*args) before every queued job with a larger key (ties: in submission order). A
@@ -92,6 +98,8 @@ class OrderedExecutor:
                 raise RuntimeError("the hook's read threads were shut down")
             bisect.insort(self._queue, _Job(key, next(self._sequence), future, fn, args, cost, urgent, part, cpu, disk))
             self._ready.notify()
+            if part and disk:
+                self._disk_ready.notify()
         return future
 
     def chore(self, fn: Callable[[], None]):
@@ -156,22 +164,24 @@ class OrderedExecutor:
                 job.future.cancel()
             self._queue.clear()
             self._ready.notify_all()
+            self._disk_ready.notify_all()
         for thread in self._threads:
             thread.join()
         chores, self._chores = self._chores, []
         for fn in chores:
             fn()
 
-    def _admissible(self, sooner_than: tuple | None = None) -> _Job | None:
+    def _admissible(self, sooner_than: tuple | None = None, disk_only: bool = False) -> _Job | None:
         """The next job to run, its cost reserved: the first costless one, or the first costly one
         if it is not held and the budget has room for it or it is urgent (called holding the
         lock). Costly jobs after the first held back wait too, unless urgent: admission follows the
         loaders' order, and a loader that takes files out of order waits for a group behind reads
         ahead it has not reached. For a thread inside run_all (`sooner_than`, its group's key; ()
         where it may start none): parts of groups' reads, and other jobs only with a key before its
-        group's (a later one would hold its group's end back)."""
+        group's (a later one would hold its group's end back). `disk_only`: the first part reading
+        from the disk."""
         held_back, i = None, 0
-        if sooner_than is None:
+        if sooner_than is None and not disk_only:
             self._held_back = False
         while i < len(self._queue):
             job = self._queue[i]
@@ -179,6 +189,8 @@ class OrderedExecutor:
                 del self._queue[i]
                 continue
             i += 1
+            if disk_only and not (job.part and job.disk):
+                continue
             if not job.part and sooner_than is not None and not job.key < sooner_than:
                 continue
             if job.cpu and self._cpu_running >= self.cpu_threads:
@@ -199,13 +211,14 @@ class OrderedExecutor:
             return self._queue.pop(i - 1)
         return None
 
-    def _work(self):
+    def _work(self, disk_only: bool = False):
+        ready = self._disk_ready if disk_only else self._ready
         while True:
-            with self._ready:
-                job = self._admissible()
-                while job is None and not self._closed and not self._chores:
-                    self._ready.wait()
-                    job = self._admissible()
+            with ready:
+                job = self._admissible(disk_only=disk_only)
+                while job is None and not self._closed and (disk_only or not self._chores):
+                    ready.wait()
+                    job = self._admissible(disk_only=disk_only)
                 if job is None:
                     if self._closed:
                         return
@@ -213,7 +226,7 @@ class OrderedExecutor:
                 else:
                     chore = None
                     if self._queue:  # more may be admissible: the next thread looks
-                        self._ready.notify()
+                        ready.notify()
             if chore is not None:
                 chore()
                 continue

@@ -39,6 +39,10 @@ SETTINGS = (
     Setting("RANKFS_HOOK_THREADS", "8", "read threads; as many as half the cores (half the threads at least, two a "
             "core at most, of the CPU quota) copy small reads out of the page cache at once, leaving the other cores "
             "and the GIL to the loader"),
+    Setting("RANKFS_HOOK_DISK_THREADS", "16", "more read threads, that only read from the disk: a group the page cache "
+            "does not hold is read with RANKFS_HOOK_THREADS plus these in flight (a sliced rank's reads are a few MB "
+            "each, too few at once for a fast disk); their bounce buffers (GPU staging) take an eighth of the memory "
+            "the process may use at most; 0: none"),
     Setting("RANKFS_HOOK_READ_NICE", "-10", "niceness of a read thread while it reads from the disk, relative to "
             "its own, so that it starts its next read before the loader's copy threads run on; 0: none (needs "
             "`CAP_SYS_NICE` or `RLIMIT_NICE` room, else ignored)"),
@@ -100,13 +104,15 @@ def _trace_file(name: str) -> str | None:
 class HookSettings:
     """A plain class, not a dataclass: every Python process of the engine imports it at start-up."""
 
-    __slots__ = ("mode", "map_sources", "device", "slab_bytes", "budget_bytes", "threads", "read_nice", "trace_file")
+    __slots__ = ("mode", "map_sources", "device", "slab_bytes", "budget_bytes", "threads", "disk_threads",
+                 "read_nice", "trace_file")
 
     def __init__(self, mode: str = "on", map_sources: str = "auto", device: str = "auto",
                  slab_bytes: int = 256 << 20, budget_bytes: int | None = None, threads: int = 8,
-                 read_nice: int = -10, trace_file: str | None = None):
+                 disk_threads: int = 16, read_nice: int = -10, trace_file: str | None = None):
         self.mode, self.map_sources, self.device, self.slab_bytes = mode, map_sources, device, slab_bytes
-        self.budget_bytes, self.threads, self.read_nice, self.trace_file = budget_bytes, threads, read_nice, trace_file
+        self.budget_bytes, self.threads, self.disk_threads = budget_bytes, threads, disk_threads
+        self.read_nice, self.trace_file = read_nice, trace_file
 
     def budget_for(self, host_slabs: bool, room: int) -> int:
         """The bytes read ahead (RANKFS_HOOK_INFLIGHT_GB), given the memory the process may still
@@ -131,6 +137,14 @@ class HookSettings:
         fits = 1 << max(0, (budget // 2).bit_length() - 1)
         return max(MIN_SLAB_BYTES, min(self.slab_bytes, fits))
 
+    def disk_threads_for(self, bounce_bytes: int, room: int) -> int:
+        """The threads that only read from the disk, given what each one's bounce buffers take
+        (GPU staging; 0 for host slabs, which the reads fill directly) and the memory the process
+        may still take: an eighth of it at most."""
+        if not bounce_bytes:
+            return self.disk_threads
+        return min(self.disk_threads, room // 8 // bounce_bytes)
+
     def cpu_work_threads(self) -> int:
         """How many read threads may copy out of the page cache at once: half the cores, the rest
         left to the loader's threads, and half the threads at least (where cores are few, copies
@@ -147,6 +161,7 @@ class HookSettings:
                    slab_bytes=(1 << (slab_mb.bit_length() - 1)) << 20,
                    budget_bytes=_inflight_bytes("RANKFS_HOOK_INFLIGHT_GB"),
                    threads=_number("RANKFS_HOOK_THREADS"),
+                   disk_threads=_number("RANKFS_HOOK_DISK_THREADS", minimum=0),
                    read_nice=_number("RANKFS_HOOK_READ_NICE", minimum=-39),
                    trace_file=_trace_file("RANKFS_HOOK_TRACE"))
 

@@ -68,6 +68,50 @@ def test_the_pool_says_whether_a_job_is_running():
     assert not pool.busy()
 
 
+def test_reads_from_the_disk_have_threads_of_their_own_and_nothing_else_does():
+    """A group the page cache does not hold is read with the disk threads' reads in flight beside
+    the read threads' (a sliced rank's reads are a few MB each: eight in flight leave a fast disk
+    idle), and those threads run nothing else: the groups, and copies out of the page cache, keep
+    to the read threads. Three reads that each wait for the other two complete only if all three
+    run at once; the one read thread alone runs the rest."""
+    pool = OrderedExecutor(1, "test", disk_threads=2)
+    meet = threading.Barrier(3, timeout=30)
+    names = []
+
+    def group(disk: bool):
+        def part():
+            names.append(threading.current_thread().name)
+            if disk:
+                meet.wait()
+        pool.run_all(("f", disk), [part] * 3, disk=disk)
+        return threading.current_thread().name
+    try:
+        assert pool.submit(("f", 0), group, True).result(timeout=60) == "test-0"
+        assert sorted(names) == ["test-0", "test-d0", "test-d1"]
+        names.clear()
+        assert pool.submit(("f", 1), group, False).result(timeout=60) == "test-0"
+        assert names == ["test-0"] * 3
+        # Copies out of the page cache queued ahead of reads from the disk stay queued for the read
+        # thread (busy with the first of them): a disk thread that read one part of the reads looks
+        # at the queue again at once, and leaves them.
+        names.clear()
+        gate, first, pair = threading.Event(), threading.Event(), threading.Barrier(2, timeout=30)
+
+        def copy(i):
+            names.append((i, threading.current_thread().name))
+            if i == 0:
+                first.set()
+                gate.wait(30)
+        copies = pool.submit(("a", 0), pool.run_all, ("a", 0), [lambda i=i: copy(i) for i in range(3)])
+        first.wait(30)
+        pool.run_all(("0", 0), [pair.wait] * 2, disk=True)
+        gate.set()
+        copies.result(timeout=60)
+        assert sorted(n for i, n in names if i != "disk") == ["test-0"] * 3
+    finally:
+        pool.shutdown()
+
+
 def test_a_group_read_by_every_free_thread_completes_even_when_all_are_busy_with_groups():
     """Each thread filling a group runs its group's reads itself while free threads help: with
     every thread inside a group no read is left waiting in the queue. Errors reach the caller."""
@@ -163,6 +207,22 @@ def test_the_read_niceness_defaults_to_ten_below_and_follows_its_setting(monkeyp
     assert HookSettings.from_env().read_nice == 0
     monkeypatch.setenv("RANKFS_HOOK_READ_NICE", "high")
     with pytest.raises(SettingError, match="RANKFS_HOOK_READ_NICE"):
+        HookSettings.from_env()
+
+
+def test_the_disk_threads_follow_their_setting_and_their_buffers_an_eighth_of_the_room(monkeypatch):
+    """Sixteen by default; where groups are staged on a GPU each holds two page-locked bounce
+    buffers, and together they take an eighth of the memory the process may still use at most."""
+    monkeypatch.delenv("RANKFS_HOOK_DISK_THREADS", raising=False)
+    settings = HookSettings.from_env()
+    assert settings.disk_threads == 16
+    assert settings.disk_threads_for(0, 0) == 16  # host slabs: the reads fill them, nothing more held
+    assert settings.disk_threads_for(32 << 20, 64 << 30) == 16
+    assert settings.disk_threads_for(32 << 20, 1 << 30) == 4
+    monkeypatch.setenv("RANKFS_HOOK_DISK_THREADS", "0")
+    assert HookSettings.from_env().disk_threads == 0
+    monkeypatch.setenv("RANKFS_HOOK_DISK_THREADS", "-1")
+    with pytest.raises(SettingError, match="RANKFS_HOOK_DISK_THREADS"):
         HookSettings.from_env()
 
 

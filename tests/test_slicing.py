@@ -537,6 +537,7 @@ def test_groups_staged_on_a_device_arrive_through_bounce_buffers_piece_by_piece(
         assert figures["staged_on"] == "cpu" and figures["slabs_alive"] == 0 and figures["windows"] == 0
         assert figures["peak_host_bytes"] > 0 and figures["pinned_bytes"] == 0 and hook.budget.used == 0
         assert hook.on_device.pool.stats.held_bytes == 0
+        assert 0 < figures["disk_threads"] <= hook.settings.disk_threads  # cold groups read by them too
     finally:
         loader.deactivate()
     events = trace_summary.read_events(tmp_path / f"hook-{os.getpid()}.jsonl")
