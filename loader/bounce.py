@@ -76,7 +76,8 @@ class BounceBuffers:
 
     def take(self, nbytes: int) -> HostBuffer:
         """A buffer of nbytes at least: one made ahead (waiting for it if it is being made), or a
-        new one for a row larger than a piece."""
+        new one for a row larger than a piece or once those made ahead are taken (the disk
+        threads' read too)."""
         with self._lock:
             made_ahead = nbytes <= self.nbytes and self._left > 0
             self._left -= made_ahead
