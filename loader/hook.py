@@ -21,8 +21,7 @@ import torch
 from rankfs.common import contract, limits
 from rankfs.common.disk import PAGE, align_down
 from rankfs.common.trace import Trace
-from rankfs.loader import memory, staging
-from rankfs.loader import bounce
+from rankfs.loader import bounce, memory, staging
 from rankfs.loader.budget import Budget
 from rankfs.loader.context import FileContext, LoadOrder, MappingContext, StagingContext
 from rankfs.loader.daemon_link import DaemonLink, drop_daemons
