@@ -60,6 +60,8 @@ class Stats:
     remnant_bytes: int = 0  # read again for what the loader had not read of a chunk let go
     reread_bytes: int = 0  # whole chunks read again: the kernel asked for them after they were let go
     evicted_reread_bytes: int = 0  # of them, chunks the kernel asked again for pages it had been handed: it evicted them
+    evictions: int = 0  # chunks (or the remnants of ones let go) read again for that
+    read_ahead_halvings: int = 0  # times the read-ahead went half as far for them: once per loss
     uncache_pending_bytes: int = 0  # served source pages not yet dropped from the page cache
     dropped_bytes: int = 0  # the view's pages the loader was done with, dropped from its page cache
     errors: int = 0

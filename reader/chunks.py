@@ -27,7 +27,7 @@ class Chunk:
     __slots__ = ("start", "length", "source", "source_offset", "row_bytes", "keep_start", "keep_stop",
                  "tensor", "order", "on_demand", "fill", "buffer", "backing", "loading", "requested",
                  "stream_pos", "error", "file_id", "head", "tail", "file", "reads", "listed",
-                 "handed", "signal", "pushed", "fill_before", "fill_after")
+                 "handed", "signal", "pushed", "fill_before", "fill_after", "halvings_before")
 
     def __init__(self, extent: Extent, start: int, length: int, file_id: int = 0):
         self.start = start  # offset in the virtual file
@@ -57,6 +57,7 @@ class Chunk:
         self.pushed = False  # its pages were pushed into the view's page cache
         # Fill sharing its first and last page, which a push completes those pages with (`set_fill_edges`).
         self.fill_before = self.fill_after = 0
+        self.halvings_before = 0  # the read-ahead's halvings before it was last read (`Holdings.shrink_read_ahead`)
 
     @property
     def end(self) -> int:

@@ -168,7 +168,7 @@ class ReadEngine:
             if chunk.loading is None:
                 self.stats.demand_loads += 1
                 if evicted:
-                    self._evicted(chunk.length)
+                    self._evicted(chunk, chunk.length)
                 self.held.free(chunk)
                 if asked_again:
                     chunk.handed_anew()
@@ -215,17 +215,19 @@ class ReadEngine:
             return None
         if evicted:
             self.stats.reread_bytes += hi - lo
-            self._evicted(hi - lo)
+            self._evicted(chunk, hi - lo)
         else:
             self.stats.remnant_bytes += hi - lo
         self.stats.read_bytes[chunk.source] += hi - lo
         return memoryview(mapped), self.held.map_range(chunk.source, begin, begin + hi - lo)
 
-    def _evicted(self, nbytes: int):
-        """Bytes handed were evicted before the loader read them (memory pressure: a cgroup's
-        limit): counted, and the read-ahead goes less far, so that what is pushed stays cached."""
+    def _evicted(self, chunk: Chunk, nbytes: int):
+        """Bytes of the chunk handed were evicted before the loader read them (memory pressure: a
+        cgroup's limit): counted, and the read-ahead goes less far, so that what is pushed stays
+        cached."""
         self.stats.evicted_reread_bytes += nbytes
-        self.held.shrink_read_ahead()
+        self.stats.evictions += 1
+        self.held.shrink_read_ahead(chunk)
 
     def answered(self, chunk: Chunk, lo: int, hi: int):
         """Account bytes [lo, hi) of the chunk that a loader's request was answered with."""
@@ -247,7 +249,7 @@ class ReadEngine:
             chunk.file.view.served_bytes += new
             chunk.file.view.reader_bytes += new
         if free and chunk.handed_bytes >= chunk.length:
-            self.held.free(chunk)
+            self.held.used(chunk)
         return new
 
     # -- pushing into the kernel's page cache ---------------------------------------------------

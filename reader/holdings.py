@@ -59,9 +59,15 @@ class Holdings:
         if room is not None:
             self.budget.limit = max(READ_AHEAD_FLOOR_BYTES, min(self.budget.limit, room // 4))
 
-    def shrink_read_ahead(self):
-        """The kernel evicted pages it was handed: the read-ahead goes less far."""
+    def shrink_read_ahead(self, chunk: Chunk):
+        """The kernel evicted pages of the chunk it was handed: the read-ahead goes half as far,
+        once per loss. Chunks read before it last halved were read as far ahead as it went then:
+        evictions among them (a request each) are that loss; halved for each, the read-ahead fell
+        to a chunk, which pushes nothing, and stayed there."""
+        if chunk.halvings_before < self.stats.read_ahead_halvings:
+            return
         self.budget.shrink(floor=READ_AHEAD_FLOOR_BYTES)
+        self.stats.read_ahead_halvings += 1
 
     def cost(self, chunk: Chunk) -> int:
         """What a chunk in memory counts against the budget: its buffer's size."""
@@ -70,6 +76,7 @@ class Holdings:
 
     def add(self, chunk: Chunk):
         self.loaded[id(chunk)] = chunk
+        chunk.halvings_before = self.stats.read_ahead_halvings
 
     def make_room(self, chunk: Chunk):
         """Demand reads may not wait for the budget. They may overdraw it by DEMAND_SLACK (they are
@@ -97,6 +104,14 @@ class Holdings:
         if self.passed.pop(id(chunk), None) is not None:
             self._passed_bytes -= len(chunk.head) + len(chunk.tail)
             chunk.forget_edges()
+
+    def used(self, chunk: Chunk):
+        """A chunk handed whole: it lets go of its memory, and the read-ahead goes further again,
+        slowly, as for a pushed chunk the loader passed (a read-ahead of a chunk pushes nothing:
+        that alone would never grow it back)."""
+        if id(chunk) in self.loaded:
+            self.budget.grow(self.cost(chunk) // 8)
+        self.free(chunk)
 
     def free(self, chunk: Chunk):
         """A loaded chunk lets go of its memory and its part of the budget."""
