@@ -183,9 +183,9 @@ class ReadEngine:
         chunk.backing.own()
         return chunk.buffer[lo - chunk.start:hi - chunk.start], chunk.backing
 
-    def read_pages(self, extent: Extent, lo: int, hi: int) -> bytes:
-        """Bytes [lo, hi) of a data extent, a few pages of it (a worker thread's call)."""
-        return self._reader.read_pages(extent, lo, hi)
+    @property
+    def sources(self) -> SourceReader:  # for a listing's few pages, read in a worker thread
+        return self._reader
 
     @staticmethod
     def replied(backings: list[Backing]):
@@ -222,9 +222,8 @@ class ReadEngine:
         return memoryview(mapped), self.held.map_range(chunk.source, begin, begin + hi - lo)
 
     def _evicted(self, chunk: Chunk, nbytes: int):
-        """Bytes of the chunk handed were evicted before the loader read them (memory pressure: a
-        cgroup's limit): counted, and the read-ahead goes less far, so that what is pushed stays
-        cached."""
+        """Bytes of the chunk handed were evicted before the loader read them (memory pressure, a
+        cgroup's limit): counted, and the read-ahead goes less far, so that pushes stay cached."""
         self.stats.evicted_reread_bytes += nbytes
         self.stats.evictions += 1
         self.held.shrink_read_ahead(chunk)

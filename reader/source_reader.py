@@ -19,7 +19,7 @@ from rankfs.common.contract import Source
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
-from rankfs.common.disk import PAGE, OpenFile, page_cache_holds
+from rankfs.common.disk import PAGE, OpenFile, covering_pages, page_cache_holds
 from rankfs.common.trace import timed
 from rankfs.reader.source_maps import MappedSources
 
@@ -124,14 +124,29 @@ class SourceReader:
         """Bytes [lo, hi) (file offsets, a few pages) of a data extent as served: copied from the
         page cache where it holds them, else read direct (a listing's pages are read before their
         chunks, and waiting for those would make every tensor a request). Runs in a worker thread."""
-        if extent.row_bytes:  # whole rows, for the fill over the other ranks' columns
-            first = lo - (lo - extent.offset) % extent.row_bytes
-            last = min(extent.end, hi + (extent.offset - hi) % extent.row_bytes)
-        else:
-            first, last = lo, hi
-        begin = extent.source_offset + (first - extent.offset)
+        first, last, begin = _span_read(extent, lo, hi)
         buffer = mmap.mmap(-1, -(-(begin % PAGE + last - first) // PAGE) * PAGE)
         return bytes(self._read(extent.source, begin, last - first, buffer, extent)[lo - first:hi - first])
+
+    def ask_for_pages(self, spans: list[tuple[Extent, int, int]]) -> list[tuple[int, int, int]]:
+        """Ask the disk at once for what `read_pages` of each (extent, lo, hi) reads, where the
+        page cache does not hold it (WILLNEED): a few hundred reads of a page, one after the
+        other, wait that many times on the disk's latency; in flight together, about once.
+        Returns (source, begin, end) of the pages asked for, for `drop_pages` once read."""
+        asked = []
+        for extent, lo, hi in spans:
+            first, last, begin = _span_read(extent, lo, hi)
+            begin, end = covering_pages(begin, begin + last - first)
+            opened = self._file(extent.source)
+            if not opened.cached(begin, end):
+                os.posix_fadvise(opened.fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+                asked.append((extent.source, begin, end))
+        return asked
+
+    def drop_pages(self, asked: list[tuple[int, int, int]]):
+        """The pages `ask_for_pages` brought into the page cache leave it (the view's holds them)."""
+        for source, begin, end in asked:
+            os.posix_fadvise(self.fd(source), begin, end - begin, os.POSIX_FADV_DONTNEED)
 
     def _read(self, index: int, offset: int, length: int, buffer: mmap.mmap, run) -> memoryview:
         """Bytes [offset, offset + length) of a source into `buffer` at their offset within a page,
@@ -153,6 +168,17 @@ class SourceReader:
         if run.row_bytes:
             fill_outside_slice(data, run)
         return data
+
+
+def _span_read(extent: Extent, lo: int, hi: int) -> tuple[int, int, int]:
+    """What a read of [lo, hi) of a data extent takes: (first, last) in the file, whole rows of a
+    sliced one for the fill over the other ranks' columns, and the source offset of `first`."""
+    if extent.row_bytes:
+        first = lo - (lo - extent.offset) % extent.row_bytes
+        last = min(extent.end, hi + (extent.offset - hi) % extent.row_bytes)
+    else:
+        first, last = lo, hi
+    return first, last, extent.source_offset + (first - extent.offset)
 
 
 def fill_outside_slice(rows: memoryview, run):

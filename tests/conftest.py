@@ -6,11 +6,14 @@ skip). The others run as any user."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +55,22 @@ def large_checkpoint(tmp_path_factory) -> Path:
     spec = deepseek_v4.FixtureSpec(layers=8, experts=16, hidden=2048, inter=1024, vocab=4096, shards=8,
                                    draft_shards=1, draft_experts=8, draft_stages=1, engram_rows=1024)
     return deepseek_v4.write(tmp_path_factory.mktemp("large") / "dsv4", spec)
+
+
+@contextlib.contextmanager
+def through_faulty_fs(source: Path, mountpoint: Path, shard: str, begin: int, length: int, meet: int = 0):
+    """The checkpoint seen through tests/faulty_fs.py, whose reads of [begin, begin + length) of one
+    shard fail (or, with `meet`, wait to meet others): yields the server, whose last line says how
+    many met once this returns."""
+    mountpoint.mkdir(exist_ok=True)
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "faulty_fs.py"), source, mountpoint,
+                               shard, str(begin), str(length), str(meet)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        yield server
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mountpoint)], check=False)
+        server.wait(timeout=30)
 
 
 @pytest.fixture

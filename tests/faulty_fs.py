@@ -2,7 +2,11 @@
 file that touch [OFFSET, OFFSET + LENGTH) fail with EIO, as a disk's bad sectors would. A checkpoint
 seen through it is a source shard that fails mid-load.
 
-    python3 tests/faulty_fs.py SOURCE_DIR MOUNTPOINT FILE OFFSET LENGTH
+    python3 tests/faulty_fs.py SOURCE_DIR MOUNTPOINT FILE OFFSET LENGTH [MEET]
+
+With MEET, those reads are served instead once MEET of them are in flight at once, or after a
+fifth of a second alone: a disk that only a reader with reads in flight together keeps busy. At
+the unmount it prints how many met and how many were served alone.
 
 Prints "ready" once mounted; serves until unmounted."""
 
@@ -20,8 +24,11 @@ ROOT = pyfuse3.ROOT_INODE
 
 
 class Faulty(pyfuse3.Operations):
-    def __init__(self, source: str, bad_file: str, offset: int, length: int):
+    def __init__(self, source: str, bad_file: str, offset: int, length: int, meet: int = 0):
         super().__init__()
+        self.meet = meet
+        self.waiting: list[trio.Event] = []  # reads of the range waiting to meet others
+        self.met = self.alone = 0
         self.source = source
         self.names = sorted(os.listdir(source))
         self.inodes = {name: ROOT + 1 + i for i, name in enumerate(self.names)}
@@ -62,21 +69,42 @@ class Faulty(pyfuse3.Operations):
     async def read(self, fh, off, size):
         inode, begin, end = self.bad
         if self.fds[fh] == inode and off < end and begin < off + size:
-            raise pyfuse3.FUSEError(errno.EIO)
+            if not self.meet:
+                raise pyfuse3.FUSEError(errno.EIO)
+            await self._meet()
         return os.pread(fh, size, off)
+
+    async def _meet(self):
+        """Served once MEET reads are in flight together (all of them then count as met), or
+        alone after a fifth of a second."""
+        if len(self.waiting) + 1 >= self.meet:
+            for event in self.waiting:
+                event.set()
+            self.met += len(self.waiting) + 1
+            self.waiting = []
+            return
+        event = trio.Event()
+        self.waiting.append(event)
+        with trio.move_on_after(0.2):
+            await event.wait()
+        if not event.is_set():
+            self.waiting.remove(event)
+            self.alone += 1
 
     async def release(self, fh):
         del self.fds[fh]
         os.close(fh)
 
 
-def main(source: str, mountpoint: str, bad_file: str, offset: str, length: str):
-    pyfuse3.init(Faulty(source, bad_file, int(offset), int(length)), mountpoint, {"fsname=faulty", "ro"})
+def main(source: str, mountpoint: str, bad_file: str, offset: str, length: str, meet: str = "0"):
+    faulty = Faulty(source, bad_file, int(offset), int(length), int(meet))
+    pyfuse3.init(faulty, mountpoint, {"fsname=faulty", "ro"})
     print("ready", flush=True)
     try:
         trio.run(pyfuse3.main)
     finally:
         pyfuse3.close(unmount=True)
+        print(f"met {faulty.met} alone {faulty.alone}", flush=True)
 
 
 if __name__ == "__main__":

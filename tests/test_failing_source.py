@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT, mounted
+from conftest import ROOT, mounted, through_faulty_fs
 from dev.bench.engine_like import shard_files
 from dev.memstate import uncache
 from rankfs.common import contract
@@ -35,18 +35,10 @@ def failing(tiny_checkpoint, tmp_path):
     tensor = next(name for name in sorted(header.tensors) if ".attn." in name)
     entry = header.tensors[tensor]
     checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
     # The pages wholly inside the tensor, as a bad sector within it: its neighbours stay readable.
     begin, end = -(-(header.data_start + entry.begin) // PAGE) * PAGE, (header.data_start + entry.end) // PAGE * PAGE
-    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "faulty_fs.py"), tiny_checkpoint, checkpoint,
-                               os.path.basename(shard), str(begin), str(end - begin)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout.readline().strip() == "ready"
+    with through_faulty_fs(tiny_checkpoint, checkpoint, os.path.basename(shard), begin, end - begin):
         yield checkpoint, os.path.basename(shard), tensor
-    finally:
-        subprocess.run(["fusermount3", "-u", str(checkpoint)], check=False)
-        server.wait(timeout=30)
 
 
 def _hash_all(directory) -> None:

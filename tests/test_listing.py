@@ -9,10 +9,13 @@ one CI run a warm listing of the view made 50 requests (864 cold). The benchmark
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from safetensors import safe_open
 
-from conftest import direct_digests, mapped_digests, mounted
+from conftest import direct_digests, mapped_digests, mounted, through_faulty_fs
+from dev.bench.engine_like import shard_files
 from dev.memstate import cached_bytes, pinned, uncache
 from rankfs.common import contract
 from rankfs.common.disk import PAGE
@@ -56,3 +59,21 @@ def test_a_listing_of_cold_sources_is_pushed_and_leaves_them_uncached(large_chec
     # holds what the mount read of their headers, buffered, and no more.
     headers = sum(-(-read_header(path).data_start // PAGE) * PAGE for path in sources)
     assert cached_bytes(sources) <= headers
+
+
+def test_a_files_listing_pages_are_read_from_the_disk_together(tiny_checkpoint, tmp_path, mount_dir):
+    """A listing's pages not cached are reads of the disk: one after the other, a file's few hundred
+    wait that many times on its latency. Here one shard's tensors lie on a disk that serves a read
+    once another is in flight beside it (else after a fifth of a second): its view file's first
+    open has the listing's pages read together."""
+    shard = Path(shard_files(tiny_checkpoint)[1])
+    data_start = read_header(shard).data_start
+    length = shard.stat().st_size - data_start
+    with through_faulty_fs(tiny_checkpoint, tmp_path / "ckpt", shard.name, data_start, length, meet=2) as disk:
+        with mounted(tmp_path / "ckpt", mount_dir, "--tp-size", 4, "--tp-rank", 1):
+            with safe_open(mount_dir / "target" / shard.name, framework="pt") as f:
+                assert f.keys()
+            status = contract.read_status(str(mount_dir))
+    met, alone = map(int, disk.stdout.read().split()[1::2])
+    assert status["listing_pages"] >= 8 and status["listing_pages_left"] == 0
+    assert met >= 4 * alone, f"{met} reads met another, {alone} came alone"

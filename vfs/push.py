@@ -36,6 +36,7 @@ from typing import NamedTuple
 import pyfuse3
 import trio
 
+from rankfs.plan.extents import Extent
 from rankfs.reader.buffers import Backing
 from rankfs.reader.chunks import Chunk
 from rankfs.reader.engine import ReadEngine
@@ -230,9 +231,28 @@ async def push_listing_pages(engine: ReadEngine, inode: int, content: Content):
 
 def _store_listing(engine: ReadEngine, inode: int,
                    content: Content) -> tuple[int, int, list[tuple[Chunk, int, int]]]:
-    """Runs in a worker thread: each listing page whose bytes are at hand, adjacent ones stored
-    together. Returns how many were stored, how many the kernel refused, and the stored pages'
-    pieces of chunks (`_page_bytes`)."""
+    """Runs in a worker thread: the listing's pages the sources' page cache lacks asked of the disk
+    at once, then stored (`_store_pages`), and let go of in the sources' page cache."""
+    asked = engine.sources.ask_for_pages(_data_spans(content))
+    try:
+        return _store_pages(engine, inode, content)
+    finally:
+        engine.sources.drop_pages(asked)
+
+
+def _data_spans(content: Content) -> list[tuple[Extent, int, int]]:
+    """(extent, lo, hi): the data on the pages a listing of the file reads."""
+    spans = []
+    for page in content.listing:
+        end = min(page + PAGE, content.size)
+        spans += [(e, max(page, e.offset), min(end, e.end)) for e in content.extents_at(page, end) if e.kind == "data"]
+    return spans
+
+
+def _store_pages(engine: ReadEngine, inode: int, content: Content) -> tuple[int, int, list[tuple[Chunk, int, int]]]:
+    """Each listing page whose bytes are at hand, adjacent ones stored together. Returns how many
+    were stored, how many the kernel refused, and the stored pages' pieces of chunks
+    (`_page_bytes`)."""
     stored, refused, pieces, run, run_pieces, run_start = 0, 0, [], bytearray(), [], 0
     for page in [*content.listing, None]:
         page_pieces: list[tuple[Chunk, int, int]] = []
@@ -266,7 +286,7 @@ def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunk
             pieces.append(engine.fill.take(hi - lo))
         elif extent.kind == "data":
             try:
-                pieces.append(engine.read_pages(extent, lo, hi))
+                pieces.append(engine.sources.read_pages(extent, lo, hi))
             except OSError:  # a changed or unreadable source: the read of this page says so
                 return None
             for chunk in content.runs[extent.offset].overlapping(lo, hi):
