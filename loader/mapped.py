@@ -11,6 +11,7 @@ against the hook's budget from its read-ahead until the loader lets each tensor 
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -46,6 +47,7 @@ class MappedFile(RankfsFile):
         self._pieces_left: dict[int, int] = {}  # per group read ahead: its pieces not yet read
         self._unverified: set[int] = set()  # groups a piece of which was not read here: cached already, or failed
         self._closed = False
+        self._sources = {(source.fd, source.path): source for source, _ in placement.values()}
         self._lock = threading.Lock()
         for (_, source), begin, end in self._source_spans([n for group in self.groups for n in group]):
             self._files.note_mapped(source, begin, end - begin)  # what the release drops, noted once
@@ -111,8 +113,8 @@ class MappedFile(RankfsFile):
         if not unfreed:
             return
         names = [n for n in self.groups[group] if n not in self._freed]
-        pieces = [(fd, piece, size) for (fd, path), begin, end in self._source_spans(names)
-                  for piece, size in willneed_pieces(begin, end - begin, self._files.link.willneed_reach[path])]
+        pieces = [(key, piece, size) for key, begin, end in self._source_spans(names)
+                  for piece, size in willneed_pieces(begin, end - begin, self._files.link.willneed_reach[key[1]])]
         with self._lock:
             self._pieces_left[group] = len(pieces)
         for i, piece in enumerate(pieces):
@@ -123,7 +125,10 @@ class MappedFile(RankfsFile):
         return merge_adjacent(((self._placement[n][0].fd, self._placement[n][0].path), offset, offset + nbytes)
                               for n in names for offset, nbytes in [self.span(n)])
 
-    def _read_piece(self, group: int, fd: int, offset: int, length: int):
+    def _read_piece(self, group: int, key: tuple[int, str], offset: int, length: int):
+        """Read a piece of a group's sources ahead, and see that every page of it is up to date: a
+        read that failed within the piece leaves its last page to be read alone, and well."""
+        source, fd = self._sources[key], key[0]
         try:
             if self._closed:  # the loader took what it wanted
                 return
@@ -133,6 +138,8 @@ class MappedFile(RankfsFile):
                 return
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             os.pread(fd, 1, offset + length - 1)  # returns once the piece's last page is read
+            if not source.readable(offset, offset + length):
+                raise OSError(errno.EIO, "a page of it is not up to date once read")
         except OSError as exc:  # the loader's tensors of it are read where they are handed out, and fail by name
             log.error("rankfs hook: %s: reading bytes %d-%d of a source failed: %s", self.path,
                       offset, offset + length, exc)

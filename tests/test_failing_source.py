@@ -79,3 +79,34 @@ def test_a_failing_source_fails_the_load_through_the_hook_by_name(failing, mount
         error = result.stderr.strip().splitlines()[-1]
         assert error.startswith("OSError") and shard in error and repr(tensor) in error
         _hash_all(mount_dir / "draft")
+
+
+# A loader that comes once the hook's map readers have read every group of the file ahead (the
+# hook's MappedFile: each group's pieces left to read).
+_LATE_LOADER = """
+import hashlib, sys, time
+import torch
+import rankfs.loader
+from safetensors import safe_open
+rankfs.loader.activate("on")
+with safe_open(sys.argv[1], framework="pt") as f:
+    while len(f._pieces_left) < len(f.groups) or any(f._pieces_left.values()):
+        time.sleep(0.01)
+    for name in sorted(f.keys()):
+        hashlib.sha256(f.get_tensor(name).contiguous().view(torch.uint8).numpy())
+"""
+
+
+def test_a_source_failing_inside_what_was_read_ahead_fails_the_load_by_name(failing, mount_dir):
+    """A read ahead of a piece of the sources that fails within the piece leaves its last page to be
+    read alone, and well: a loader that comes once the read-ahead is done gets the error by name,
+    not SIGBUS at the first touch of a page the disk could not give."""
+    checkpoint, shard, tensor = failing
+    with mounted(checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 0, "--ep-size", 2):
+        uncache(shard_files(checkpoint))
+        result = subprocess.run(["rankfs", "run", "--", sys.executable, "-c", _LATE_LOADER, mount_dir / "target" / shard],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "RANKFS_HOOK_MAP": "on"})
+    assert result.returncode == 1, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("OSError") and shard in error and repr(tensor) in error
