@@ -137,10 +137,13 @@ class SourceReader:
         for extent, lo, hi in spans:
             first, last, begin = _span_read(extent, lo, hi)
             begin, end = covering_pages(begin, begin + last - first)
-            opened = self._file(extent.source)
-            if not opened.cached(begin, end):
-                os.posix_fadvise(opened.fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
-                asked.append((extent.source, begin, end))
+            try:
+                opened = self._file(extent.source)
+                if not opened.cached(begin, end):
+                    os.posix_fadvise(opened.fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+                    asked.append((extent.source, begin, end))
+            except OSError:  # a source gone or changed: its read says so, by name
+                continue
         return asked
 
     def drop_pages(self, asked: list[tuple[int, int, int]]):
