@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,6 +68,27 @@ def test_the_thread_sampler_tells_waits_for_the_gil_from_other_waits(tmp_path):
         assert groups[spinners].get("waiting for the GIL", 0) >= 25, groups
     idle = groups["idle"]
     assert idle.get("waiting on another futex", 0) >= 80 and idle.get("waiting for the GIL", 0) < 5, groups
+
+
+def test_the_thread_sampler_names_where_a_running_process_sleeps(tmp_path):
+    """A process blocked reading an empty pipe, sampled from outside: every sample of its thread
+    says the read and the kernel function it sleeps in."""
+    reader = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(1)"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(doing.startswith("read in ") for *_, doing in thread_states.sample(reader.pid)):
+            assert time.monotonic() < deadline, thread_states.sample(reader.pid)
+            os.sched_yield()
+        record, samples = tmp_path / "threads.json", iter(range(20))
+        thread_states.record_samples(reader.pid, record, lambda: next(samples, None) is not None)
+    finally:
+        reader.kill()
+        reader.wait()
+    counts = json.loads(record.read_text())
+    assert sum(counts.values()) == 20
+    for key, n in counts.items():
+        name, tid, state, doing = key.split("\t")
+        assert state == "S" and doing.startswith("read in ") and doing != "read in ", counts
 
 
 def test_a_load_whose_weights_differ_from_the_originals_is_flagged():

@@ -194,9 +194,9 @@ class Bench:
         daemon = contract.read_status(str(mountpoint))["pid"] if mountpoint is not None else None
         sources_cached, daemon_cpu = cached_bytes(files), cpu_seconds(daemon) if daemon else 0.0
         daemon_record = record.with_suffix(".daemon.txt") if record is not None and daemon else None
-        recorder = profile.attach(daemon, daemon_record) if daemon_record else None
+        recorder = profile.attach(daemon, daemon_record, self.config.profile_mode) if daemon_record else None
         result = run_path(row.kind, args, record, self.config.profile_mode)
-        profile.detach(recorder, daemon_record)
+        profile.detach(recorder, daemon_record, self.config.profile_mode)
         # Only pages of files the row owns: machine-wide Cached also grows by the libraries a cold
         # process maps.
         left = cached_bytes(files) - sources_cached
@@ -372,8 +372,8 @@ def parser() -> argparse.ArgumentParser:
                    help="record each load under py-spy (if on PATH): OUT/profiles/*.txt and a summary per thread "
                         "group, and a row's mount's daemon (*.daemon.txt, never paused); MODE: idle (every thread, the "
                         "default), gil (the threads holding the GIL), native (with C frames; pauses the process at "
-                        "each sample), threads (without py-spy: each thread's state and system call from /proc, "
-                        "waits for the GIL told apart; dev.bench.thread_states)")
+                        "each sample), threads (without py-spy, the daemon's too: each thread's state, system call "
+                        "and where it sleeps, from /proc, waits for the GIL told apart; dev.bench.thread_states)")
     p.add_argument("--trace", action="store_true",
                    help="trace the daemon of each row through a view (rankfs mount --trace), and the hook "
                         "(RANKFS_HOOK_TRACE): OUT/traces/*.jsonl and a summary of each (python3 -m dev.bench.trace_summary)")

@@ -42,9 +42,12 @@ def command(record: Path, mode: str = "idle") -> list[str] | None:
             "--"]
 
 
-def attach(pid: int, record: Path) -> subprocess.Popen | None:
+def attach(pid: int, record: Path, mode: str = "idle") -> subprocess.Popen | None:
     """py-spy recording a running process (a mount's daemon) into `record` until `detach`; never
-    pausing it: a FUSE daemon stopped mid-request stalls its readers."""
+    pausing it: a FUSE daemon stopped mid-request stalls its readers. In `threads` mode, the
+    kernel's view of its threads instead."""
+    if mode == "threads":
+        return subprocess.Popen(thread_states.attach_command(record, pid))
     spy = shutil.which("py-spy")
     if spy is None:
         return None
@@ -53,14 +56,15 @@ def attach(pid: int, record: Path) -> subprocess.Popen | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def detach(recorder: subprocess.Popen | None, record: Path):
-    """Stop an `attach` recording (py-spy writes its record on SIGINT) and summarize it beside it."""
+def detach(recorder: subprocess.Popen | None, record: Path, mode: str = "idle"):
+    """Stop an `attach` recording (both recorders write their record on SIGINT) and summarize it
+    beside it."""
     if recorder is None:
         return
     recorder.send_signal(signal.SIGINT)
     recorder.wait(timeout=60)
     if record.exists():
-        record.with_suffix(".summary.txt").write_text(summarize(record) + "\n")
+        record.with_suffix(".summary.txt").write_text(summarize(record, mode=mode) + "\n")
 
 
 def _frame(frame: str) -> str:

@@ -1,11 +1,14 @@
-"""What a load's threads are doing, as the kernel sees them: each thread's state, system call and
-the futex it waits on, sampled from /proc every few milliseconds for the life of a command, summed
-per thread group (the name without the pool's index: rankfs' threads are named in the kernel). A
+"""What a load's threads are doing, as the kernel sees them: each thread's state, system call, the
+futex it waits on and, asleep elsewhere, the kernel function it sleeps in (so that a page fault
+waiting on a page lock tells apart from one waiting on a FUSE reply), sampled from /proc every few
+milliseconds for the life of a command or until told to stop, summed per thread group (the name
+without the pool's index: rankfs' threads are named in the kernel). A
 futex that threads of several groups, and most of the process's threads, wait on is the GIL's: the
 share of a thread's samples waiting there is what the GIL costs it, which py-spy does not show.
 
     python3 -m dev bench ... --profile threads          # a record and a summary per load row
     python3 -m dev.bench.thread_states --record R -- COMMAND ...
+    python3 -m dev.bench.thread_states --record R --pid PID   # a running process, until SIGINT
     python3 -m dev.bench.thread_states R                # the summary of a record
 """
 
@@ -25,14 +28,20 @@ from pathlib import Path
 
 INTERVAL = 0.002  # seconds between samples: hundreds over a one-second load
 _PR_SET_PDEATHSIG = 1
-SYSCALLS = {"0": "read", "1": "write", "7": "poll", "9": "mmap", "11": "munmap", "16": "ioctl",
-            "17": "pread64", "28": "madvise", "35": "nanosleep", "202": "futex", "217": "getdents64",
-            "232": "epoll_wait", "295": "preadv", "327": "preadv2", "426": "io_uring_enter"}
+SYSCALLS = {"0": "read", "1": "write", "7": "poll", "9": "mmap", "10": "mprotect", "11": "munmap", "16": "ioctl",
+            "17": "pread64", "20": "writev", "28": "madvise", "35": "nanosleep", "202": "futex",
+            "217": "getdents64", "221": "fadvise64", "232": "epoll_wait", "257": "openat", "295": "preadv",
+            "327": "preadv2", "426": "io_uring_enter"}
 
 
 def command(record: Path) -> list[str]:
     """The prefix that runs a command under the sampler, into `record`."""
     return [sys.executable, "-m", "dev.bench.thread_states", "--record", str(record), "--"]
+
+
+def attach_command(record: Path, pid: int) -> list[str]:
+    """The command that samples the running process `pid` into `record` until it gets SIGINT."""
+    return [sys.executable, "-m", "dev.bench.thread_states", "--record", str(record), "--pid", str(pid)]
 
 
 def _read(path: str) -> str:
@@ -45,7 +54,8 @@ def _read(path: str) -> str:
 
 def sample(pid: int) -> list[tuple[str, str, str, str]]:
     """(thread name, thread id, state, what it does) for each thread of `pid`: `running`, a
-    system call's name, or `futex@ADDRESS` for a futex wait."""
+    system call's name, or `futex@ADDRESS` for a futex wait; asleep in anything but a futex, with
+    the kernel function it sleeps in (`a page fault in folio_wait_bit_common`)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -62,21 +72,37 @@ def sample(pid: int) -> list[tuple[str, str, str, str]]:
             or SYSCALLS.get(call[0], f"syscall {call[0]}")
         if doing == "futex" and len(call) > 1:
             doing = f"futex@{call[1]}"
+        elif state in ("S", "D") and doing != "running":
+            sleeps_in = _read(f"{base}/wchan").strip()
+            doing += f" in {sleeps_in}" if sleeps_in not in ("", "0") else ""
         found.append((_read(f"{base}/comm").strip(), tid, state, doing))
     return found
 
 
-def record_command(argv: list[str], record: Path) -> int:
-    """Run argv, sampling its threads until it exits; the record: per (thread, state, doing), how
-    many samples. Returns its exit status."""
-    child = subprocess.Popen(argv, preexec_fn=_die_with_parent)
+def record_samples(pid: int, record: Path, going) -> None:
+    """Sample the threads of `pid` while `going()`; the record: per (thread, state, doing), how
+    many samples."""
     counts: collections.Counter = collections.Counter()
-    while child.poll() is None:
-        for name, tid, state, doing in sample(child.pid):
+    while going():
+        for name, tid, state, doing in sample(pid):
             counts[f"{name}\t{tid}\t{state}\t{doing}"] += 1
         time.sleep(INTERVAL)
     record.write_text(json.dumps(counts))
+
+
+def record_command(argv: list[str], record: Path) -> int:
+    """Run argv, sampling its threads until it exits. Returns its exit status."""
+    child = subprocess.Popen(argv, preexec_fn=_die_with_parent)
+    record_samples(child.pid, record, lambda: child.poll() is None)
     return child.returncode
+
+
+def record_process(pid: int, record: Path) -> int:
+    """Sample the running process `pid` until this process gets SIGINT or `pid` exits."""
+    stopped = []
+    signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+    record_samples(pid, record, lambda: not stopped and os.path.exists(f"/proc/{pid}"))
+    return 0
 
 
 def _die_with_parent():
@@ -113,13 +139,16 @@ def summarize(record: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if "--" not in argv:
+    if "--record" not in argv:
         print(summarize(Path(argv[0])))
         return 0
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(prog="python3 -m dev.bench.thread_states")
     p.add_argument("--record", type=Path, required=True)
+    p.add_argument("--pid", type=int, help="sample this running process (until SIGINT) instead of a command")
     args = p.parse_args(argv[:split])
+    if args.pid is not None:
+        return record_process(args.pid, args.record)
     return record_command(argv[split + 1:], args.record)
 
 
