@@ -2,9 +2,9 @@
 futex it waits on and, asleep elsewhere, the kernel function it sleeps in (so that a page fault
 waiting on a page lock tells apart from one waiting on a FUSE reply), sampled from /proc every few
 milliseconds for the life of a command or until told to stop, summed per thread group (the name
-without the pool's index: rankfs' threads are named in the kernel). A
-futex that threads of several groups, and most of the process's threads, wait on is the GIL's: the
-share of a thread's samples waiting there is what the GIL costs it, which py-spy does not show.
+without the pool's index: rankfs' threads are named in the kernel). A futex that threads of several
+groups, and most of the process's threads, wait on is the GIL's: the share of a thread's samples
+waiting there is what the GIL costs it, which py-spy does not show.
 
     python3 -m dev bench ... --profile threads          # a record and a summary per load row
     python3 -m dev.bench.thread_states --record R -- COMMAND ...
