@@ -27,6 +27,8 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc_holding_gil = ctypes.PyDLL(None, use_errno=True)  # for calls shorter than taking the GIL back
 _libc_holding_gil.madvise.argtypes = _libc.madvise.argtypes
 _libc_holding_gil.mincore.argtypes = _libc.mincore.argtypes
+_libc_holding_gil.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+_libc_holding_gil.pread.restype = ctypes.c_ssize_t
 CACHED_SHORT_BYTES = 1 << 20  # cached pages mapped in with the GIL held: tens of microseconds
 _MAP_FAILED = ctypes.c_void_p(-1).value
 RESIDENT_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte, the rest reserved
@@ -67,6 +69,17 @@ def page_cache_holds(fd: int, begin: int, end: int, holding_gil: bool = False) -
         return stat.nr_cache == (end - begin) // PAGE
     _cachestat_works = ctypes.get_errno() != errno.ENOSYS  # else a file it refuses (hugetlbfs)
     return None
+
+
+def read_cached(fd: int, buffer: bytearray, offset: int, what: str) -> int:
+    """pread(2) into `buffer` of bytes the page cache holds, the GIL kept for the call (a copy of a
+    few pages): a thread that lets it go for each of hundreds of small reads waits to take it back
+    behind every busy thread of the process, each time. Returns the bytes read."""
+    address = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+    n = _libc_holding_gil.pread(fd, address, len(buffer), offset)
+    if n < 0:
+        raise _os_error(f"{what}: read at offset {offset}")
+    return n
 
 
 def _os_error(what: str) -> OSError:
@@ -189,20 +202,20 @@ class OpenFile:
         joined = joined_pages(self._shared_pages[1] + list(runs))
         self._shared_pages = ([begin for begin, _ in joined], joined)
 
-    def cached(self, begin: int, end: int) -> bool:
+    def cached(self, begin: int, end: int, holding_gil: bool = False) -> bool:
         """Whether the page cache holds every page of [begin, end), up to the file's end."""
-        return self.resident(begin, min(end, self._size))
+        return self.resident(begin, min(end, self._size), holding_gil)
 
-    def resident(self, begin: int, end: int) -> bool:
-        """Whether the page cache holds every page of [begin, end), asked with the GIL let go:
-        cachestat counts the file's cached pages without the process's memory map, whose lock a
-        mincore shares with every page fault, map and page-lock of the loader's threads. mincore
-        where the kernel is older than 6.5 or refuses the file."""
+    def resident(self, begin: int, end: int, holding_gil: bool = False) -> bool:
+        """Whether the page cache holds every page of [begin, end), asked with the GIL let go
+        unless `holding_gil` (see `madvise`): cachestat counts the file's cached pages without the
+        process's memory map, whose lock a mincore shares with every page fault, map and page-lock
+        of the loader's threads. mincore where the kernel is older than 6.5 or refuses the file."""
         if self._map is None or end > self._size or end <= begin:
             return False
         begin, end = covering_pages(begin, end)
-        holds = page_cache_holds(self.fd, begin, end)
-        return holds if holds is not None else 0 not in self._residency(begin, end)
+        holds = page_cache_holds(self.fd, begin, end, holding_gil)
+        return holds if holds is not None else 0 not in self._residency(begin, end, holding_gil)
 
     def readable(self, begin: int, end: int) -> bool:
         """Whether every page of [begin, end) is in the page cache and up to date (mincore), so that

@@ -1,9 +1,10 @@
 """Read events, a JSON line each, for diagnosis (read by `python3 -m dev.bench.trace_summary`).
 
 The daemon's (`rankfs mount --trace FILE`): when each chunk was queued for read-ahead, read,
-pushed and first asked for, and each request the kernel made, with the seconds its answer took. A
-read or a push also says when the event loop asked a worker thread for it, and when the thread
-began and ended it: what waits on threads, on the disk or the kernel, and on the loop.
+pushed and first asked for, each request the kernel made, with the seconds its answer took, and
+each file's listing pages pushed at its first open (which that open waits for). A read, a push or
+a listing also says when the event loop asked a worker thread for it, and when the thread began
+and ended it: what waits on threads, on the disk or the kernel, and on the loop.
 
 The hook's (RANKFS_HOOK_TRACE=FILE): when each file was opened, each group staged (asked, began,
 ended, by which read thread), each bounce buffer made and taken, and how long the loader waited for

@@ -166,6 +166,7 @@ class Daemon:
             await nursery.start(self.engine.run)
             if self.config.push:
                 nursery.start_soon(push_prefetched, self.engine, self.config.push_threads)
+                nursery.start_soon(self.ops.listings.push_ahead)
             if not self.config.keep_cache:
                 nursery.start_soon(drop_consumed, self.engine)
             nursery.start_soon(self._signals, nursery.cancel_scope)

@@ -75,7 +75,7 @@ class ReadEngine:
         self._replied_send, self._replied = trio.open_memory_channel(math.inf)
         self._droppable_send, self.droppable = trio.open_memory_channel(math.inf)
         self._dropping = False
-        self._pushing = False
+        self.pushing = False
         self.fill = Fill()
         self.drops = 0  # a push begun before a drop must not leave its pages behind after it
 
@@ -110,10 +110,7 @@ class ReadEngine:
         file.view.opened_direct = direct
         if direct:
             view.direct_opener = reader
-        push = (self._pushing and not direct and not file.listed and not view.hooked
-                and (reader is None or reader != view.direct_opener))
-        file.listed = file.listed or push
-        return push
+        return not direct and (reader is None or reader != view.direct_opener) and file.take_listing(self.pushing)
 
     def closed(self, file: FileStream, direct: bool = False):
         """A handle of the file closed (`direct`: one opened with O_DIRECT). Once a loader that
@@ -262,7 +259,7 @@ class ReadEngine:
 
     def enable_push(self):
         """Offer prefetched chunks on `pushable` from now on."""
-        self._pushing = True
+        self.pushing = True
 
     def push_range(self, chunk: Chunk) -> tuple[int, int] | None:
         """What to push of an offered chunk now, or None: it was read meanwhile, the loader is about
@@ -420,7 +417,7 @@ class ReadEngine:
                     self._count_read(chunk)
                     self.trace.chunk("read", chunk, (asked, began, ended), demand=not prefetched)
                     self.held.add(chunk)
-                    if prefetched and self._pushing and drops == self.drops:
+                    if prefetched and self.pushing and drops == self.drops:
                         self._pushable_send.send_nowait(chunk)
                 except Exception as exc:  # any failure: its readers get EIO, the daemon keeps serving
                     self._failed(chunk, buffer, exc)

@@ -34,13 +34,20 @@ class FileStream:
     requested_bytes: int = 0  # source bytes a loader's requests were answered with since then
     reached: int = 0  # the furthest stream position a loader asked for
     dropped: bool = False  # its pages were dropped from the page cache once the loader was done
-    listed: bool = False  # the pages a listing reads were pushed, at its first open (a drop leaves them out)
+    listed: bool = False  # the pages a listing reads were pushed, at or before its first open (a drop leaves them out)
 
     def passed(self, chunk: Chunk) -> bool:
         """A loader is past a chunk of this file: it read some of it, or there is nothing for it to
         read (fill), or it was pushed and the loader has asked for a later chunk (a signal page the
         listing pushed is never asked for)."""
         return chunk.requested or chunk.fill or (chunk.pushed and chunk.stream_pos < self.reached)
+
+    def take_listing(self, pushing: bool) -> bool:
+        """Whether the pages a listing of it reads are to be pushed now: pushes on, not pushed yet,
+        no engine hook loading its view. From now on they count as pushed."""
+        push = pushing and not self.listed and not self.view.hooked
+        self.listed = self.listed or push
+        return push
 
     def not_dropped(self) -> list[Chunk]:
         """Its chunks whose pages were not dropped since it was last read from its start; from now

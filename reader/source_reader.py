@@ -19,7 +19,7 @@ from rankfs.common.contract import Source
 from rankfs.plan.extents import Extent
 from rankfs.plan.layout import FILL_BYTE
 from rankfs.reader.chunks import Chunk
-from rankfs.common.disk import PAGE, OpenFile, covering_pages, page_cache_holds
+from rankfs.common.disk import PAGE, OpenFile, covering_pages, page_cache_holds, read_cached
 from rankfs.common.trace import timed
 from rankfs.reader.source_maps import MappedSources
 
@@ -120,31 +120,47 @@ class SourceReader:
         os.posix_fadvise(self.fd(chunk.source), chunk.source_offset, chunk.length, os.POSIX_FADV_DONTNEED)
         return data
 
-    def read_pages(self, extent: Extent, lo: int, hi: int) -> bytes:
+    def read_pages(self, extent: Extent, lo: int, hi: int, cached: bool = False) -> bytes:
         """Bytes [lo, hi) (file offsets, a few pages) of a data extent as served: copied from the
         page cache where it holds them, else read direct (a listing's pages are read before their
-        chunks, and waiting for those would make every tensor a request). Runs in a worker thread."""
+        chunks, and waiting for those would make every tensor a request). Runs in a worker thread.
+        `cached`: the caller has just found them cached and checked the source unchanged
+        (`ask_for_pages`): read with the GIL kept."""
         first, last, begin = _span_read(extent, lo, hi)
-        buffer = mmap.mmap(-1, -(-(begin % PAGE + last - first) // PAGE) * PAGE)
-        return bytes(self._read(extent.source, begin, last - first, buffer, extent)[lo - first:hi - first])
+        if not cached:
+            buffer = mmap.mmap(-1, -(-(begin % PAGE + last - first) // PAGE) * PAGE)
+            return bytes(self._read(extent.source, begin, last - first, buffer, extent)[lo - first:hi - first])
+        data, path = bytearray(last - first), self.sources[extent.source].path
+        if read_cached(self.fd(extent.source), data, begin, path) < len(data):
+            raise BackingError(f"{path}: short read at offset {begin}; the file was truncated")
+        if extent.row_bytes:
+            fill_outside_slice(memoryview(data), extent)
+        return bytes(data[lo - first:hi - first])
 
-    def ask_for_pages(self, spans: list[tuple[Extent, int, int]]) -> list[tuple[int, int, int]]:
+    def ask_for_pages(self, spans: list[tuple[Extent, int, int]]) -> tuple[list[tuple[int, int, int]], list[bool]]:
         """Ask the disk at once for what `read_pages` of each (extent, lo, hi) reads, where the
         page cache does not hold it (WILLNEED): a few hundred reads of a page, one after the
         other, wait that many times on the disk's latency; in flight together, about once.
-        Returns (source, begin, end) of the pages asked for, for `drop_pages` once read."""
-        asked = []
+        Returns (source, begin, end) of the pages asked for, for `drop_pages` once read, and for
+        each span whether its source is unchanged and the page cache held it."""
+        asked, held, checked = [], [], set()
         for extent, lo, hi in spans:
             first, last, begin = _span_read(extent, lo, hi)
             begin, end = covering_pages(begin, begin + last - first)
+            held.append(False)
             try:
+                if extent.source not in checked:
+                    self.check_unchanged(extent.source)
+                    checked.add(extent.source)
                 opened = self._file(extent.source)
-                if not opened.cached(begin, end):
+                if opened.cached(begin, end, holding_gil=True):
+                    held[-1] = True
+                else:
                     os.posix_fadvise(opened.fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
                     asked.append((extent.source, begin, end))
             except OSError:  # a source gone or changed: its read says so, by name
                 continue
-        return asked
+        return asked, held
 
     def drop_pages(self, asked: list[tuple[int, int, int]]):
         """The pages `ask_for_pages` brought into the page cache leave it (the view's holds them)."""

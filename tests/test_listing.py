@@ -9,6 +9,7 @@ one CI run a warm listing of the view made 50 requests (864 cold). The benchmark
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,31 @@ def test_a_listing_of_cold_sources_is_pushed_and_leaves_them_uncached(large_chec
     # holds what the mount read of their headers, buffered, and no more.
     headers = sum(-(-read_header(path).data_start // PAGE) * PAGE for path in sources)
     assert cached_bytes(sources) <= headers
+
+
+def listing_total(status: dict) -> int:
+    return status["listing_pages"] + status["listing_pages_left"] + status["listing_pages_refused"]
+
+
+def test_the_files_after_the_one_opened_are_listed_before_their_opens(large_checkpoint, mount_dir):
+    """The first open of a view's first file has the listings of the files after it pushed in the
+    background (safetensors holds the GIL through an open: a loader opening the files in turn would
+    wait for each listing, every thread of it); their opens then push nothing more."""
+    with pinned(sorted(large_checkpoint.glob("*.safetensors"))):
+        every_file = listing_total(list_view(large_checkpoint, mount_dir))
+        with mounted(large_checkpoint, mount_dir, "--tp-size", 4, "--tp-rank", 1):
+            files = sorted((mount_dir / "target").glob("*.safetensors"))
+            assert 1 < len(files) <= 9  # the first file's open lists the next eight
+            with safe_open(files[0], framework="pt") as f:
+                assert f.keys()
+            deadline = time.monotonic() + 60
+            while listing_total(status := contract.read_status(str(mount_dir))) < every_file:
+                assert time.monotonic() < deadline, status
+                time.sleep(0.01)
+            for path in files[1:]:
+                with safe_open(path, framework="pt") as f:
+                    assert f.keys()
+            assert listing_total(contract.read_status(str(mount_dir))) == every_file
 
 
 def test_a_files_listing_pages_are_read_from_the_disk_together(tiny_checkpoint, tmp_path, mount_dir):

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 import pyfuse3
 
 from rankfs.reader.engine import BackingError, ReadEngine
-from rankfs.vfs.push import push_listing_pages
+from rankfs.vfs.push import Listings
 from rankfs.vfs.tree import Content, Node, Tree, memory_content
 
 log = logging.getLogger("rankfs.fs")
@@ -35,6 +35,7 @@ class RankFS(pyfuse3.Operations):
         self.tree = tree
         self.engine = engine
         self.command = command  # carries out a control-file command written by process `pid`
+        self.listings = Listings(engine)  # its `push_ahead` runs beside the mount
         self._handles: dict[int, Content | int] = {}  # fh -> its file, or the writer's pid (control)
         self._direct: set[int] = set()  # the handles opened with O_DIRECT
         self._next_fh = 1
@@ -137,8 +138,10 @@ class RankFS(pyfuse3.Operations):
         direct = bool(flags & os.O_DIRECT)
         if direct:
             self._direct.add(fh)
-        if content.stream is not None and self.engine.opened(content.stream, direct, process_of(ctx.pid)):
-            await push_listing_pages(self.engine, inode, content)
+        if content.stream is not None:
+            push = self.engine.opened(content.stream, direct, process_of(ctx.pid))
+            if not direct:  # a direct reader never reads through the pages a listing's push is for
+                await self.listings.opened(inode, content, node.shard, push)
         self._handles[fh] = content
         return pyfuse3.FileInfo(fh=fh, direct_io=node.render is not None, keep_cache=node.render is None)
 

@@ -14,7 +14,8 @@ is not cached, is a request with the kernel's readahead behind it, one at a time
 the files a loader opened, and the loader's first copy waits for all of them. So a file's first
 open is answered once those pages are pushed: copied from the source's page cache where it holds
 them, else read direct, a few pages each (left to requests, their readahead would read the files
-whole before the first copy).
+whole before the first copy); and, safetensors holding the GIL through the open too, the next
+files' listings are pushed behind it (`Listings`).
 
 A push waits for the locks of pages a pending read holds; those reads are answered from the chunk's
 memory (or the fill's), which the push never waits for, so the two cannot deadlock. The push owns
@@ -220,9 +221,68 @@ def _store(inode: int, offset: int, data: memoryview) -> bool:
         return False
 
 
+# Files of a view whose listing pages are pushed ahead of their first open, behind the one opened:
+# SGLang's iterator opens eight ahead of the one it reads.
+LISTED_AHEAD_FILES = 8
+
+
+class Listings:
+    """Each view file's listing pages pushed once, before an open of it is answered: at its first
+    open, and ahead of it once a file before it in its view is first opened (the next few, one
+    after the other in the background), so that a loader opening a view's files in turn finds them
+    listed. safetensors holds the GIL through an open: the loader's every thread waits for it.
+
+    An open that finds its file's listing queued ahead pushes it at once; one that finds it under
+    way waits for it."""
+
+    def __init__(self, engine: ReadEngine):
+        self._engine = engine
+        self._done: dict[int, trio.Event] = {}  # inode -> set once its listing is pushed
+        self._queued: dict[int, Content] = {}  # listed ahead, not begun
+        self._ahead_send, self._ahead = trio.open_memory_channel(math.inf)
+
+    async def opened(self, inode: int, content: Content, shard, push: bool):
+        """A file opened (`shard`: its view and position, or None); `push`: the engine's word that
+        its listing is to be pushed now (`ReadEngine.opened`)."""
+        if push:
+            self._queued.pop(inode, None)  # dropped since it was queued
+            await self._push(inode, content)
+            if shard is not None:
+                self._queue_next(*shard)
+        elif inode in self._queued:
+            await self._push(inode, self._queued.pop(inode))
+        elif inode in self._done:
+            await self._done[inode].wait()
+
+    def _queue_next(self, view, position: int):
+        for later in range(position + 1, min(position + 1 + LISTED_AHEAD_FILES, len(view.inodes))):
+            content, inode = view.content(later), view.inodes[later]
+            if content.stream.take_listing(self._engine.pushing):
+                self._done[inode] = trio.Event()
+                self._queued[inode] = content
+                self._ahead_send.send_nowait(inode)
+
+    async def push_ahead(self):
+        """Push the listings queued ahead, in turn, until cancelled."""
+        async for inode in self._ahead:
+            if inode in self._queued:
+                await self._push(inode, self._queued.pop(inode))
+
+    async def _push(self, inode: int, content: Content):
+        done = self._done.setdefault(inode, trio.Event())
+        try:
+            await push_listing_pages(self._engine, inode, content)
+        finally:
+            done.set()
+            del self._done[inode]
+
+
 async def push_listing_pages(engine: ReadEngine, inode: int, content: Content):
     """Push the pages a listing of the file reads (`Content.listing`), runs of them in one call."""
-    pages, refused, pieces = await trio.to_thread.run_sync(_store_listing, engine, inode, content)
+    asked = time.monotonic()
+    (pages, refused, pieces), began, ended = await trio.to_thread.run_sync(timed, _store_listing, engine, inode,
+                                                                           content)
+    engine.trace.event("listed", inode=inode, pages=pages, asked=asked, began=began, ended=ended)
     engine.stats.listing_pages += pages
     engine.stats.listing_pages_left += len(content.listing) - pages
     engine.stats.listing_pages_refused += refused
@@ -233,9 +293,10 @@ def _store_listing(engine: ReadEngine, inode: int,
                    content: Content) -> tuple[int, int, list[tuple[Chunk, int, int]]]:
     """Runs in a worker thread: the listing's pages the sources' page cache lacks asked of the disk
     at once, then stored (`_store_pages`), and let go of in the sources' page cache."""
-    asked = engine.sources.ask_for_pages(_data_spans(content))
+    spans = _data_spans(content)
+    asked, held = engine.sources.ask_for_pages(spans)
     try:
-        return _store_pages(engine, inode, content)
+        return _store_pages(engine, inode, content, {(e.offset, lo) for (e, lo, _), h in zip(spans, held) if h})
     finally:
         engine.sources.drop_pages(asked)
 
@@ -249,14 +310,15 @@ def _data_spans(content: Content) -> list[tuple[Extent, int, int]]:
     return spans
 
 
-def _store_pages(engine: ReadEngine, inode: int, content: Content) -> tuple[int, int, list[tuple[Chunk, int, int]]]:
-    """Each listing page whose bytes are at hand, adjacent ones stored together. Returns how many
-    were stored, how many the kernel refused, and the stored pages' pieces of chunks
-    (`_page_bytes`)."""
+def _store_pages(engine: ReadEngine, inode: int, content: Content,
+                 cached: set[tuple[int, int]]) -> tuple[int, int, list[tuple[Chunk, int, int]]]:
+    """Each listing page whose bytes are at hand, adjacent ones stored together; `cached`: the
+    (extent offset, start) of the data spans the sources' page cache held. Returns how many were
+    stored, how many the kernel refused, and the stored pages' pieces of chunks (`_page_bytes`)."""
     stored, refused, pieces, run, run_pieces, run_start = 0, 0, [], bytearray(), [], 0
     for page in [*content.listing, None]:
         page_pieces: list[tuple[Chunk, int, int]] = []
-        data = None if page is None else _page_bytes(engine, content, page, page_pieces)
+        data = None if page is None else _page_bytes(engine, content, page, page_pieces, cached)
         if run and (data is None or page != run_start + len(run)):
             pages = -(-len(run) // PAGE)
             if _store(inode, run_start, memoryview(run)):
@@ -272,7 +334,8 @@ def _store_pages(engine: ReadEngine, inode: int, content: Content) -> tuple[int,
     return stored, refused, pieces
 
 
-def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunks: list) -> bytes | None:
+def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunks: list,
+                cached: set[tuple[int, int]]) -> bytes | None:
     """The file's bytes on one page (up to its end), or None where a source cannot be read or the
     page is not served (the local ranks' shared view). Its pieces of chunks are added to
     `pieces_of_chunks`: (chunk, lo, hi)."""
@@ -286,7 +349,7 @@ def _page_bytes(engine: ReadEngine, content: Content, page: int, pieces_of_chunk
             pieces.append(engine.fill.take(hi - lo))
         elif extent.kind == "data":
             try:
-                pieces.append(engine.sources.read_pages(extent, lo, hi))
+                pieces.append(engine.sources.read_pages(extent, lo, hi, cached=(extent.offset, lo) in cached))
             except OSError:  # a changed or unreadable source: the read of this page says so
                 return None
             for chunk in content.runs[extent.offset].overlapping(lo, hi):

@@ -36,6 +36,15 @@ def _worker_calls(name: str, events: list[dict]) -> str:
             f"ran {ms('began', 'ended')} ms, waited for the loop {ms('ended', 't')} ms")
 
 
+def _stalls(timeline: list[tuple[float, int]], longer_than: float = 0.1) -> str:
+    """The loader's sampler thread (dev.bench.paths) wakes every 20 ms: where it did not for longer,
+    one of the loader's threads held the GIL all that time (a safetensors open or listing blocked
+    in the kernel holds it)."""
+    gaps = [b[0] - a[0] for a, b in zip(timeline, timeline[1:]) if b[0] - a[0] > longer_than]
+    return (f"the loader's sampler kept from the GIL over {longer_than:.1f} s: {len(gaps)} times, "
+            f"{sum(gaps):.2f} s in all, the longest {max(gaps, default=0.0):.2f} s")
+
+
 def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) -> str:
     requests = [e for e in events if e["event"] == "request" and e["path"]]
     pushes = [e for e in events if e["event"] == "pushed"]
@@ -59,7 +68,11 @@ def summarize(events: list[dict], row: dict | None = None, step: float = 0.5) ->
         _worker_calls("reads for a waiting request", [e for e in reads if e["demand"]]),
         _worker_calls("pushes", pushes),
         f"read ahead, then waited for a push thread: {_quantiles(push_waits)} s",
+        _worker_calls("listings pushed at a first open (the open waits)",
+                      [e for e in events if e["event"] == "listed"]),
     ]
+    if row and row.get("timeline"):
+        lines.append(_stalls(row["timeline"]))
     events = [e for e in events if e["event"] != "file"]  # laid out at the mount, before any load
     if not events:
         return "\n".join(lines)
