@@ -238,19 +238,19 @@ class Listings:
     def __init__(self, engine: ReadEngine):
         self._engine = engine
         self._done: dict[int, trio.Event] = {}  # inode -> set once its listing is pushed
-        self._queued: dict[int, Content] = {}  # listed ahead, not begun
+        self._queued: dict[int, tuple[Content, int]] = {}  # listed ahead, not begun: the engine's drops then
         self._ahead_send, self._ahead = trio.open_memory_channel(math.inf)
 
     async def opened(self, inode: int, content: Content, shard, push: bool):
         """A file opened (`shard`: its view and position, or None); `push`: the engine's word that
         its listing is to be pushed now (`ReadEngine.opened`)."""
         if push:
-            self._queued.pop(inode, None)  # dropped since it was queued
+            self._queued.pop(inode, None)  # a new reader's first open since it was queued
             await self._push(inode, content)
             if shard is not None:
                 self._queue_next(*shard)
         elif inode in self._queued:
-            await self._push(inode, self._queued.pop(inode))
+            await self._push(inode, self._queued.pop(inode)[0])
         elif inode in self._done:
             await self._done[inode].wait()
 
@@ -259,14 +259,20 @@ class Listings:
             content, inode = view.content(later), view.inodes[later]
             if content.stream.take_listing(self._engine.pushing):
                 self._done[inode] = trio.Event()
-                self._queued[inode] = content
+                self._queued[inode] = (content, self._engine.drops)
                 self._ahead_send.send_nowait(inode)
 
     async def push_ahead(self):
-        """Push the listings queued ahead, in turn, until cancelled."""
+        """Push the listings queued ahead, in turn, until cancelled; not after a drop (which leaves
+        listings out) or once a new reader took the view (its first opens list the files again)."""
         async for inode in self._ahead:
-            if inode in self._queued:
-                await self._push(inode, self._queued.pop(inode))
+            content, drops = self._queued.pop(inode, (None, None))
+            if content is None:
+                continue
+            if drops == self._engine.drops and content.stream.listed:
+                await self._push(inode, content)
+            else:
+                self._done.pop(inode).set()
 
     async def _push(self, inode: int, content: Content):
         done = self._done.setdefault(inode, trio.Event())
