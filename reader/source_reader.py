@@ -130,12 +130,9 @@ class SourceReader:
         if not cached:
             buffer = mmap.mmap(-1, -(-(begin % PAGE + last - first) // PAGE) * PAGE)
             return bytes(self._read(extent.source, begin, last - first, buffer, extent)[lo - first:hi - first])
-        data, path = bytearray(last - first), self.sources[extent.source].path
-        if read_cached(self.fd(extent.source), data, begin, path) < len(data):
-            raise BackingError(f"{path}: short read at offset {begin}; the file was truncated")
-        if extent.row_bytes:
-            fill_outside_slice(memoryview(data), extent)
-        return bytes(data[lo - first:hi - first])
+        data, path = memoryview(bytearray(last - first)), self.sources[extent.source].path
+        done = read_cached(self.fd(extent.source), data.obj, begin, path)
+        return bytes(_as_served(data, done, extent, path, begin)[lo - first:hi - first])
 
     def ask_for_pages(self, spans: list[tuple[Extent, int, int]]) -> tuple[list[tuple[int, int, int]], list[bool]]:
         """Ask the disk at once for what `read_pages` of each (extent, lo, hi) reads, where the
@@ -179,14 +176,20 @@ class SourceReader:
             done = opened.read_into(memoryview(buffer), skip, offset, length, path)
         except OSError as exc:
             raise BackingError(str(exc)) from None
-        if done < length:
-            raise BackingError(f"{path}: short read at offset {offset} ({done} of {length} bytes); "
-                               "the file was truncated")
+        data = _as_served(memoryview(buffer)[skip:skip + length], done, run, path, offset)
         opened.drop_added()  # where it could not read direct (tmpfs): what it cached
-        data = memoryview(buffer)[skip:skip + length]
-        if run.row_bytes:
-            fill_outside_slice(data, run)
         return data
+
+
+def _as_served(data: memoryview, done: int, run, path: str, offset: int) -> memoryview:
+    """`done` bytes read of a source into `data` as served: every byte, or an error naming the
+    file; the fill written outside the slice of a masked run (a chunk or an extent)."""
+    if done < len(data):
+        raise BackingError(f"{path}: short read at offset {offset} ({done} of {len(data)} bytes); "
+                           "the file was truncated")
+    if run.row_bytes:
+        fill_outside_slice(data, run)
+    return data
 
 
 def _span_read(extent: Extent, lo: int, hi: int) -> tuple[int, int, int]:
